@@ -1,0 +1,106 @@
+import pytest
+
+from autotune.config import load_model, model_from_dict
+from autotune.errors import UsageError
+from autotune.layout import Layout, enumerate_layouts, parse_layout, resolve
+
+TINY = load_model("tiny")  # 8 heads, 4 kv heads, ffn 128, vocab 256, 8 layers, seq 64, batch 16
+MOE = load_model("tiny-moe")  # 8 experts
+
+
+def test_parse_and_defaults():
+    assert parse_layout("tp=2, pp=2,schedule=gpipe") == {"tp": 2, "pp": 2, "schedule": "gpipe"}
+    layout = resolve("tp=2", TINY, 8)
+    assert (layout.dp, layout.dp_shard, layout.zero, layout.mbs, layout.sp) == (4, 4, 0, 1, 0)
+    assert layout.grad_accum(TINY) == 4  # 16 / (1 * 4)
+    assert resolve("", TINY, 1) == Layout()
+
+
+def test_full_string_round_trips():
+    layout = resolve("tp=2,pp=2,zero=3,dp_shard=1,mbs=2,sp=1,recompute=full", TINY, 8)
+    assert resolve(str(layout), TINY, 8) == layout
+    assert layout.dp_replicate == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tp=2,colour=3", "layout.colour: unknown key"),
+    ("tp=two", "layout.tp: must be an integer, got 'two'"),
+    ("tp", "layout: expected key=value, got 'tp'"),
+    ("tp=1,tp=2", "layout.tp: given twice"),
+])
+def test_parse_errors(text, message):
+    with pytest.raises(UsageError, match="^" + message):
+        parse_layout(text)
+
+
+@pytest.mark.parametrize("text, gpus, message", [
+    ("tp=0", 4, r"layout.tp: must be >= 1, got 0"),
+    ("tp=3", 6, r"layout.tp: num_heads \(8\) must divide by tp \(3\)"),
+    ("tp=8", 8, r"layout.tp: num_kv_heads \(4\) must divide by tp \(8\)"),
+    ("tp=2,pp=2", 6, r"layout: tp\*pp\*cp = 2\*2\*1 = 4 must divide --gpus 6"),
+    ("tp=2,dp=2", 8, r"layout: tp\*pp\*cp\*dp = 2\*1\*1\*2 = 4 must equal --gpus 8"),
+    ("dp_shard=3", 4, r"layout.dp_shard: must divide dp \(4\), got 3"),
+    ("dp_shard=2", 4, r"layout.dp_shard: HSDP \(dp_shard 2 < dp 4\) shards state, so it needs zero >= 1"),
+    ("zero=4", 2, r"layout.zero: must be one of 0, 1, 2, 3, got 4"),
+    ("sp=1", 2, r"layout.sp: sequence parallel needs tp > 1"),
+    ("cp=64", 64, r"layout.cp: seq_len \(64\) must divide by 2\*cp \(128\)"),
+    ("pp=3", 3, r"layout.pp: num_layers \(8\) must divide by pp\*vpp \(3\)"),
+    ("pp=2,vpp=2", 2, r"layout.vpp: schedule 1f1b runs one stage per rank, so vpp must be 1"),
+    ("pp=2,schedule=zbv", 2, r"layout.vpp: schedule zbv runs two stages per rank, so vpp must be 2"),
+    ("vpp=2", 1, r"layout.vpp: virtual stages need pp > 1"),
+    ("pp=2,schedule=wavy", 2, r"layout.schedule: must be one of gpipe, 1f1b"),
+    ("recompute=some", 1, r"layout.recompute: must be one of none, selective, full, got 'some'"),
+    ("mbs=3", 2, r"layout.mbs: global_batch_size \(16\) must divide by mbs\*dp \(3\*2\)"),
+    ("ep=2", 2, r"layout.ep: expert parallel needs an MoE model"),
+])
+def test_rules_name_the_key_and_the_numbers(text, gpus, message):
+    with pytest.raises(UsageError, match="^" + message):
+        resolve(text, TINY, gpus)
+
+
+def test_moe_rules():
+    assert resolve("ep=4", MOE, 4).ep == 4
+    with pytest.raises(UsageError, match=r"layout.ep: num_experts \(8\) must divide by ep \(3\)"):
+        resolve("ep=3", MOE, 3)
+    with pytest.raises(UsageError, match=r"layout.ep: ep \(4\) must divide dp_shard\*cp \(2\*1\)"):
+        resolve("ep=4,tp=2", MOE, 4)
+
+
+def test_tp_stays_inside_a_node():
+    assert resolve("tp=4", TINY, 4, gpus_per_node=4).tp == 4
+    with pytest.raises(UsageError, match=r"layout.tp: tp \(4\) must divide gpus_per_node \(2\)"):
+        resolve("tp=4", TINY, 4, gpus_per_node=2)
+
+
+SPACE = {"tp": [1, 2, 4], "pp": [1, 2], "zero": [0, 3], "mbs": [1, 2], "sp": [0, 1]}
+
+
+def test_enumeration_count_worked_by_hand():
+    # (tp, pp, dp): (1,1,4): zero 2 x mbs 2 = 4;  (1,2,2): 4;  (2,1,2): zero 2 x mbs 2 x sp 2 = 8;
+    # (2,2,1): zero folds to 0 at dp=1 -> mbs 2 x sp 2 = 4;  (4,1,1): 4.  Total 24.
+    layouts = enumerate_layouts(TINY, 4, SPACE)
+    assert len(layouts) == 24
+    assert len(set(layouts)) == 24
+    assert all(layout.world_size == 4 for layout in layouts)
+    # gpus_per_node=2 removes the four tp=4 layouts.
+    assert len(enumerate_layouts(TINY, 4, SPACE, gpus_per_node=2)) == 20
+
+
+def test_enumeration_dp_shard_values():
+    # dp=4 at tp=pp=1: dp_shard in {4 ("dp"), 2, 1}; HSDP needs zero >= 1, so zero 0 only with dp_shard=dp.
+    layouts = enumerate_layouts(TINY, 4, {"zero": [0, 3], "dp_shard": ["dp", 2, 1]})
+    assert sorted((l.zero, l.dp_shard) for l in layouts) == [(0, 4), (3, 1), (3, 2), (3, 4)]
+
+
+def test_enumeration_of_a_space_with_nothing_valid_is_empty():
+    assert enumerate_layouts(TINY, 3, {"tp": [2]}) == []
+
+
+def test_layout_short_form():
+    assert resolve("tp=2,pp=2,zero=3,sp=1,mbs=2,recompute=full", TINY, 8).short() == \
+        "tp=2 pp=2 dp=2 zero=3 1f1b sp mbs=2 rc=full"
+
+
+def test_model_from_dict_rejects_bad_types():
+    with pytest.raises(UsageError, match="^name: missing required field"):
+        model_from_dict({"vocab_size": 1})
