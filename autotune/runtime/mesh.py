@@ -1,0 +1,90 @@
+"""ParallelDims: the degrees of a layout and the device mesh they make.
+
+Mesh dims, outermost first: pp, dp_replicate, dp_shard, cp, tp. tp is innermost so
+that a TP group is neighbouring ranks (inside one node); pp outermost so that stage
+boundaries may cross nodes. Flattened views serve the collectives that span several
+dims:
+
+    dp        = dp_replicate x dp_shard   the data-parallel ranks (batch split)
+    dp_cp     = dp x cp                   ranks that see different tokens: loss average,
+                                          gradient reduction of dense parameters
+    dp_shard_cp = dp_shard x cp           FSDP sharding of dense parameters under CP
+
+This is the only file that touches private DeviceMesh APIs (`_flatten`), so a
+change in torch is mended in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autotune.layout import Layout
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> "ParallelDims":
+        return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
+                   cp=layout.cp, tp=layout.tp, ep=layout.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in DIM_NAMES)
+
+    def build_mesh(self, device_type: str) -> "Meshes":
+        root = init_device_mesh(device_type, self.shape(), mesh_dim_names=DIM_NAMES)
+        named = {name: root[name] for name in DIM_NAMES}
+        for name, dims in FLATTENED.items():
+            named[name] = root[dims]._flatten(name)
+        return Meshes(root=root, named=named)
+
+
+# Flattened views, kept by name (torch no longer slices flattened dims from the root).
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The root mesh and every named 1-D view of it: `meshes["tp"]`, `meshes["dp_cp"]`."""
+
+    root: DeviceMesh
+    named: dict
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.named[name]
+
+    def size(self, name: str) -> int:
+        return self.named[name].size()
+
+    def local_rank(self, name: str) -> int:
+        return self.named[name].get_local_rank()
+
+    def describe(self) -> str:
+        """The process grid, printable: which global ranks form each group of this rank."""
+        lines = [f"mesh {dict(zip(DIM_NAMES, self.root.shape))}"]
+        for name, mesh in self.named.items():
+            lines.append(f"  {name:<12} size {mesh.size():>3}  ranks {mesh.mesh.flatten().tolist()}")
+        return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""A plain Llama-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU (or MoE) MLP.
+
+It knows nothing of parallelism. Every parallel dimension is applied from outside
+(runtime/parallel/*), which is why:
+- layers live in a ModuleDict keyed by their global index, so a pipeline stage can
+  delete the layers it does not own and keep the others' names;
+- `forward` skips the embedding, the final norm or the head when a stage has none
+  (they are set to None), so one forward serves every stage;
+- the attention core is its own module (`CoreAttention`), so context parallel can
+  swap in ring attention and selective recompute can checkpoint just that, and
+  `Attention.positions` can carry the head-tail shuffled positions of CP's tokens;
+- q/k/v are viewed with -1 heads, so the same code runs the per-rank head count
+  that tensor parallel leaves on each rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autotune.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the compute dtype: the mean of squares overflows bf16 precision.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos/sin of the rotary angles position * theta^(-2i/head_dim), shape [seq, head_dim/2].
+
+    Computed from explicit positions (not a cached table) so that context parallel can
+    pass the head-tail shuffled positions of its tokens.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] by the angles."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).type_as(x)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask; q, k, v are [batch, seq, heads, head_dim].
+
+    GQA: k and v have fewer heads than q; SDPA's enable_gqa shares them without copying.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=k.shape[2] != q.shape[2])
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.core = CoreAttention()
+        self.rope_theta = cfg.rope_theta
+        # Positions of this rank's tokens; None means 0..seq-1. Context parallel sets them.
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x is the whole (local) sequence here: sequence parallel gathers it before wq/wk/wv.
+        batch, seq, _ = x.shape
+        positions = self.positions if self.positions is not None else torch.arange(seq, device=x.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.wo(self.core(q, k, v).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.up = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.down = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if cfg.is_moe_layer(layer):
+            from autotune.runtime.moe import MoE  # only MoE models need the router and experts
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] -> logits [batch, seq, vocab], or hidden states in/out
+        for the pipeline stages that lack the embedding or the head."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,47 @@
+"""One optimizer step over a rank's micro-batches.
+
+    global batch = mbs * grad_accum * dp
+
+Each micro-batch's loss is its token mean divided by grad_accum, so that the gradients
+summed over micro-batches and averaged over data-parallel ranks (FSDP averages) are
+those of the mean over the whole global batch, whatever the split. Gradients are
+synchronised on the last micro-batch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class Trainer:
+    """Forward, backward and optimizer step of a model that is not pipelined."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_context=contextlib.nullcontext):
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_context = loss_context  # loss_parallel() under tensor parallel
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Train on this rank's micro-batches; returns the rank's share of the loss."""
+        total = torch.zeros((), device=batches[0][0].device)
+        for i, (inputs, labels) in enumerate(batches):
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            with self.loss_context():
+                loss = cross_entropy(self.model(inputs), labels) / len(batches)
+                loss.backward()
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total

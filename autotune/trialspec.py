@@ -1,0 +1,39 @@
+"""What one trial runs: the controller writes it, every rank reads it.
+
+Plain data (no torch), passed to the ranks as one JSON argument so that it reaches
+every node of a multi-node trial without a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+# Lines by which the ranks talk to the launcher: rank 0's result on stdout, any rank's
+# failure on stderr.
+RESULT_MARKER = "AUTOTUNE_RESULT "
+ERROR_MARKER = "AUTOTUNE_ERROR "
+
+
+@dataclass
+class TrialSpec:
+    model: dict  # ModelConfig fields
+    layout: str  # a full layout string (every key)
+    steps: int = 5  # measured optimizer steps
+    warmup: int = 2  # steps run before measuring (allocator, caches, first collectives)
+    seed: int = 0
+    device: str = "cpu"
+    lr: float = 1e-3
+    memory_budget_gb: float | None = None
+    peak_tflops: float | None = None
+    hardware: str | None = None
+    trace_dir: str | None = None
+    extra: dict = field(default_factory=dict)  # options later dimensions add
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrialSpec":
+        return cls(**json.loads(text))

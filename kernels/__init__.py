@@ -1,0 +1,1 @@
+"""Compute kernels the runtime calls, each with a plain reference (installed as autotune_kernels)."""
