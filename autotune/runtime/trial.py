@@ -27,8 +27,7 @@ from autotune.config import model_from_dict
 from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
 from autotune.runtime.mesh import ParallelDims
-from autotune.runtime.parallelize import build_model
-from autotune.runtime.train import Trainer
+from autotune.runtime.parallelize import build_trainer
 from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec
 
 
@@ -52,9 +51,7 @@ def run(spec: TrialSpec) -> dict:
     device = trial_device(spec)
     dims = ParallelDims.from_layout(layout)
     mesh = dims.build_mesh(device.type)
-    model = build_model(cfg, layout, mesh, device, spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    trainer = Trainer(model, optimizer)
+    trainer = build_trainer(cfg, layout, mesh, device, spec)
 
     grad_accum = layout.grad_accum(cfg)
     dp_rank = mesh["dp"].get_local_rank()
