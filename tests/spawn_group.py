@@ -20,7 +20,32 @@ from autotune.config import ModelConfig, load_model
 from autotune.trialspec import TrialSpec
 
 
-def _worker(rank: int, world_size: int, store_path: str, specs: list[str], out_dir: str) -> None:
+def gathered_parameters(model) -> dict:
+    """{plain name: full fp32 tensor} of every parameter, gathered over every mesh dim.
+
+    Each rank gathers the DTensor shards it holds; pipeline stages hold different
+    parameters, so the per-rank dicts are merged on all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from autotune.runtime.init import plain_name
+
+    models = model if isinstance(model, (list, tuple)) else [model]
+    mine = {}
+    for part in models:
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            mine[plain_name(name)] = full.detach().float().cpu()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged = {}
+    for d in everyone:
+        merged.update(d)
+    return merged
+
+
+def _worker(rank: int, world_size: int, store_path: str, specs: list[str], out_dir: str,
+            with_params: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -34,7 +59,12 @@ def _worker(rank: int, world_size: int, store_path: str, specs: list[str], out_d
     results = []
     try:
         for text in specs:
-            results.append(run(TrialSpec.from_json(text)))
+            keep: dict = {}
+            result = run(TrialSpec.from_json(text), keep=keep)
+            if with_params:
+                params = gathered_parameters(keep["trainer"].model)
+                result["params"] = {name: t.flatten().tolist() for name, t in sorted(params.items())}
+            results.append(result)
     except Exception:
         results.append({"status": "failed", "error": traceback.format_exc()})
         raise
@@ -46,12 +76,14 @@ def _worker(rank: int, world_size: int, store_path: str, specs: list[str], out_d
 
 
 def run_layouts(world_size: int, layouts: list[str], model: str | ModelConfig = "tiny", steps: int = 3,
-                warmup: int = 0, seed: int = 0, **spec_fields) -> list[dict]:
-    """Run each full layout string on `world_size` gloo ranks; rank 0's result per layout."""
+                warmup: int = 0, seed: int = 0, with_params: bool = False, **spec_fields) -> list[dict]:
+    """Run each full layout string on `world_size` gloo ranks; rank 0's result per layout.
+
+    with_params: each result also holds "params", {name: flat list} of the trained weights."""
     cfg = load_model(model) if isinstance(model, str) else model
     specs = [TrialSpec(model=dataclasses.asdict(cfg), layout=layout, steps=steps, warmup=warmup, seed=seed,
                        **spec_fields).to_json() for layout in layouts]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), specs, tmp),
+        mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), specs, tmp, with_params),
                            nprocs=world_size, start_method="spawn")
         return json.loads(Path(tmp, "results.json").read_text())

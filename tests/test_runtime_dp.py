@@ -1,6 +1,6 @@
 """Foundation runtime: determinism, learning, and plain data parallel against one process."""
 
-from numerics import assert_same_losses
+from numerics import assert_same_losses, assert_same_params
 from spawn_group import run_layouts
 
 from autotune.config import load_model
@@ -26,8 +26,9 @@ def test_same_seed_same_losses_and_loss_falls_over_20_steps():
 
 
 def test_plain_data_parallel_matches_one_process():
-    reference = run_layouts(1, [full("", 1)], steps=3)[0]["losses"]
+    reference = run_layouts(1, [full("", 1)], steps=3, with_params=True)[0]
     for gpus in (2, 4):
-        result = run_layouts(gpus, [full("zero=0", gpus), full("zero=0,mbs=2", gpus)], steps=3)
+        result = run_layouts(gpus, [full("zero=0", gpus), full("zero=0,mbs=2", gpus)], steps=3, with_params=True)
         for r in result:
-            assert_same_losses(reference, r["losses"], r["layout"])
+            assert_same_losses(reference["losses"], r["losses"], r["layout"])
+            assert_same_params(reference["params"], r["params"], r["layout"])

@@ -44,14 +44,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(spec: TrialSpec) -> dict:
-    """Run the trial on the current process group; every rank returns the same summary."""
+def run(spec: TrialSpec, keep: dict | None = None) -> dict:
+    """Run the trial on the current process group; every rank returns the same summary.
+
+    `keep`, when given, receives the trainer and the meshes, for tests that inspect the
+    trained parameters."""
     cfg = model_from_dict(spec.model)
     layout = resolve(spec.layout, cfg, dist.get_world_size())
     device = trial_device(spec)
     dims = ParallelDims.from_layout(layout)
     mesh = dims.build_mesh(device.type)
     trainer = build_trainer(cfg, layout, mesh, device, spec)
+    if keep is not None:
+        keep.update(trainer=trainer, mesh=mesh)
 
     grad_accum = layout.grad_accum(cfg)
     dp_rank = mesh["dp"].get_local_rank()
