@@ -1,0 +1,141 @@
+"""Samplers that only ever propose a valid layout not measured before.
+
+Every sampler is an Optuna sampler over the same search space: one categorical
+parameter per layout key that varies in the space. Each chooses a whole layout at
+once (`sample_relative`) from the valid layouts that no trial has taken yet, so a
+layout is never measured twice and an invalid combination is never proposed:
+
+    grid    the space in nested order (tp outermost, as NeMo's configurator loops)
+    random  uniformly among the untaken layouts
+    tpe     Optuna's multivariate TPE; a proposal that is invalid or taken is drawn
+            again, and after a few misses a random untaken layout is used
+    model   the estimator's ranking, re-fitted to the measured trials before every
+            proposal (the default): the layout predicted fastest among those
+            predicted to fit, then the rest
+"""
+
+from __future__ import annotations
+
+import random
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.samplers import BaseSampler, TPESampler
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.layout import INT_KEYS, STR_KEYS, Layout
+
+KEYS = INT_KEYS + STR_KEYS
+TPE_ATTEMPTS = 16
+
+
+def key_distributions(layouts: list[Layout]) -> dict[str, CategoricalDistribution]:
+    """One categorical per layout key that takes more than one value among the layouts."""
+    out = {}
+    for key in KEYS:
+        values = list(dict.fromkeys(getattr(layout, key) for layout in layouts))
+        if len(values) > 1:
+            out[key] = CategoricalDistribution(values)
+    return out
+
+
+def taken_layouts(study: optuna.Study) -> set[str]:
+    """Layouts a trial has measured, pruned, failed on, or is running now.
+
+    A trial that ended without an outcome of its own gave its layout back, to be
+    measured again: its controller was interrupted (reason "interrupted"), or it died
+    and was failed by the heartbeat or at resume (state FAIL with no status).
+    """
+    taken = set()
+    for t in study.get_trials(deepcopy=False):
+        layout = t.user_attrs.get("layout")
+        if layout is None or t.user_attrs.get("reason") == "interrupted":
+            continue
+        if t.state == TrialState.FAIL and "status" not in t.user_attrs:
+            continue
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING):
+            taken.add(layout)
+    return taken
+
+
+class LayoutSampler(BaseSampler):
+    """The shared mechanics: search space, untaken layouts, params of the chosen one."""
+
+    def __init__(self, layouts: list[Layout], seed: int = 0):
+        self.layouts = layouts
+        self.by_name = {str(layout): layout for layout in layouts}
+        self.distributions = key_distributions(layouts)
+        self.rng = random.Random(seed)
+
+    def untaken(self, study: optuna.Study) -> list[Layout]:
+        taken = taken_layouts(study)
+        return [layout for layout in self.layouts if str(layout) not in taken]
+
+    def infer_relative_search_space(self, study, trial):
+        return dict(self.distributions)
+
+    def sample_relative(self, study, trial, search_space):
+        candidates = self.untaken(study)
+        if not candidates:
+            return {}
+        layout = self.choose(study, trial, candidates)
+        return {key: getattr(layout, key) for key in self.distributions}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        # Only reached when every layout is taken: any value, the study stops right after.
+        return param_distribution.choices[0]
+
+    def choose(self, study: optuna.Study, trial: FrozenTrial, candidates: list[Layout]) -> Layout:
+        raise NotImplementedError
+
+    def reseed_rng(self) -> None:
+        self.rng.seed()
+
+
+class GridSampler(LayoutSampler):
+    def choose(self, study, trial, candidates):
+        return candidates[0]
+
+
+class RandomSampler(LayoutSampler):
+    def choose(self, study, trial, candidates):
+        return self.rng.choice(candidates)
+
+
+class TpeSampler(LayoutSampler):
+    def __init__(self, layouts: list[Layout], seed: int = 0):
+        super().__init__(layouts, seed)
+        self.tpe = TPESampler(multivariate=True, seed=seed, n_startup_trials=5)
+
+    def choose(self, study, trial, candidates):
+        allowed = {self.params_key(layout): layout for layout in candidates}
+        for _ in range(TPE_ATTEMPTS):
+            params = self.tpe.sample_relative(study, trial, dict(self.distributions))
+            layout = allowed.get(tuple(params.get(k) for k in self.distributions))
+            if layout is not None:
+                return layout
+        return self.rng.choice(candidates)
+
+    def params_key(self, layout: Layout) -> tuple:
+        return tuple(getattr(layout, k) for k in self.distributions)
+
+
+class ModelSampler(LayoutSampler):
+    """Ranks untaken layouts by `score(layout, study)`: the study supplies it, fitted to
+    the trials measured so far, so the ranking improves as the sweep runs."""
+
+    def __init__(self, layouts: list[Layout], score, seed: int = 0):
+        super().__init__(layouts, seed)
+        self.score = score
+
+    def choose(self, study, trial, candidates):
+        scorer = self.score(study)
+        return max(candidates, key=scorer)
+
+
+def layout_from_params(sampler: LayoutSampler, params: dict) -> Layout | None:
+    """The valid layout whose varying keys take these values (None if there is none)."""
+    for layout in sampler.layouts:
+        if all(getattr(layout, k) == v for k, v in params.items()):
+            return layout
+    return None

@@ -1,0 +1,106 @@
+"""Search spaces and samplers: only valid layouts, never one twice, in each sampler's order."""
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.config import load_model
+from autotune.errors import UsageError
+from autotune.samplers import GridSampler, ModelSampler, RandomSampler, TpeSampler, layout_from_params
+from autotune.space import load_space, space_from_dict, space_names, valid_layouts
+
+TINY = load_model("tiny")
+
+
+def test_shipped_spaces_load():
+    assert {"default", "dense", "moe", "long_context", "quick"} <= set(space_names())
+    for name in space_names():
+        space = load_space(name)
+        assert space.values and space.options.get("max_comm_fraction") == 0.30
+    assert len(valid_layouts(TINY, 4, load_space("quick"))) == 20
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"layout": {"tp": [1, 2], "colour": [1]}}, "space.layout.colour: unknown layout key"),
+    ({"layout": {"dp": [2]}}, "space.layout.dp: dp is derived"),
+    ({"layout": {"tp": ["two"]}}, "space.layout.tp: values must be integers, got 'two'"),
+    ({"layout": {"recompute": [1]}}, "space.layout.recompute: values must be strings"),
+    ({"layout": {"tp": []}}, "space.layout.tp: must list at least one value"),
+    ({"layout": {"tp": [1]}, "options": {"speed": 1}}, "space.options.speed: unknown option"),
+    ({"layout": {"tp": [1]}, "extra": 1}, "space.extra: unknown section"),
+    ({"options": {}}, "space.layout: must be a mapping"),
+])
+def test_space_errors_name_the_field(data, message):
+    with pytest.raises(UsageError, match="^" + message.replace(".", r"\.")):
+        space_from_dict(data, "s")
+
+
+def test_space_with_no_valid_layout_is_bad_input(tmp_path):
+    path = tmp_path / "odd.yaml"
+    path.write_text("layout:\n  tp: [3]\n")
+    with pytest.raises(UsageError, match="space odd: no valid layout for tiny on 4 GPUs"):
+        valid_layouts(TINY, 4, load_space(str(path)))
+    with pytest.raises(UsageError, match="space: unknown search space 'nope'"):
+        load_space("nope")
+
+
+def sweep(sampler, n_trials=None, score=lambda layout: 0.0):
+    """Run a study whose objective records the proposed layout, as the controller does."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    proposed = []
+
+    def objective(trial):
+        params = {k: trial.suggest_categorical(k, d.choices) for k, d in sampler.distributions.items()}
+        layout = layout_from_params(sampler, params)
+        trial.set_user_attr("layout", str(layout))
+        trial.set_user_attr("status", "complete")
+        proposed.append(layout)
+        return score(layout)
+
+    def stop(study, trial):
+        if not sampler.untaken(study):
+            study.stop()
+    study.optimize(objective, n_trials=n_trials, callbacks=[stop])
+    return study, proposed
+
+
+LAYOUTS = valid_layouts(TINY, 4, load_space("quick"))
+
+
+def test_grid_runs_the_space_in_nested_order_once():
+    _, proposed = sweep(GridSampler(LAYOUTS))
+    assert proposed == LAYOUTS  # every layout, once, tp outermost
+
+
+@pytest.mark.parametrize("make", [lambda: RandomSampler(LAYOUTS, seed=3), lambda: TpeSampler(LAYOUTS, seed=3)])
+def test_random_and_tpe_propose_each_valid_layout_once(make):
+    _, proposed = sweep(make())
+    assert sorted(map(str, proposed)) == sorted(map(str, LAYOUTS))
+
+
+def test_model_sampler_follows_its_score():
+    throughput = {str(layout): (i * 7919) % 101 for i, layout in enumerate(LAYOUTS)}
+    sampler = ModelSampler(LAYOUTS, score=lambda study: lambda layout: throughput[str(layout)])
+    _, proposed = sweep(sampler, n_trials=5)
+    assert [throughput[str(l)] for l in proposed] == sorted(throughput.values(), reverse=True)[:5]
+
+
+def test_interrupted_and_abandoned_trials_give_their_layout_back():
+    sampler = GridSampler(LAYOUTS)
+    study, proposed = sweep(sampler, n_trials=3)
+    assert len(sampler.untaken(study)) == len(LAYOUTS) - 3
+    # A trial that died with its controller: FAIL with no status of its own.
+    trial = study.ask()
+    trial.set_user_attr("layout", str(LAYOUTS[-1]))
+    assert len(sampler.untaken(study)) == len(LAYOUTS) - 4  # RUNNING: taken
+    study.tell(trial, state=TrialState.FAIL)
+    assert len(sampler.untaken(study)) == len(LAYOUTS) - 3
+    # Ctrl-C: failed/interrupted, also given back; a crash keeps its layout.
+    for reason, given_back in (("interrupted", True), ("crash", False)):
+        trial = study.ask()
+        trial.set_user_attr("layout", str(LAYOUTS[-1]))
+        trial.set_user_attr("status", "failed")
+        trial.set_user_attr("reason", reason)
+        study.tell(trial, state=TrialState.FAIL)
+        assert (str(LAYOUTS[-1]) in map(str, sampler.untaken(study))) == given_back
