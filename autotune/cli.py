@@ -9,17 +9,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from autotune.config import hardware_presets, load_model, model_presets
+from autotune.config import hardware_for_device_name, hardware_presets, load_hardware, load_model, model_presets
 from autotune.errors import UsageError
 from autotune.layout import resolve
+from autotune.space import load_space
 from autotune.trialspec import TrialSpec
 
 DEFAULT_TRIAL_TIMEOUT_S = 900.0
+SAMPLERS = ("model", "tpe", "grid", "random")  # autotune.study.SAMPLERS, without importing optuna
+OBJECTIVES = ("tokens_per_s", "mfu")
 stderr = Console(stderr=True)
 
 
@@ -87,10 +92,82 @@ def build_parser() -> Parser:
     add_trial_options(p)
     p.set_defaults(func=cmd_trial)
 
+    p = sub.add_parser("run", help="search the layouts of a space with real, measured trials")
+    p.add_argument("--model", required=True, help="preset name, YAML file or Hugging Face config.json")
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs (processes) per trial")
+    p.add_argument("--space", default="default",
+                   help="search space: a YAML file or a name in search_spaces/ (default: default)")
+    p.add_argument("--trials", type=positive_int, default=None,
+                   help="launch at most this many trials (default: until every layout is measured)")
+    p.add_argument("--time-budget", type=positive_float, default=None, metavar="S",
+                   help="start no trial after S seconds (default: none)")
+    p.add_argument("--out", default=None, help="results folder (default results/<model>-<gpus>gpus)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in --out)")
+    p.add_argument("--study-name", default=None, help="default <model>-<gpus>gpus")
+    p.add_argument("--objective", choices=OBJECTIVES, default="tokens_per_s", help="default tokens_per_s")
+    p.add_argument("--max-comm-fraction", type=fraction, default=None,
+                   help="prune a layout whose exposed communication exceeds this share of the step "
+                        "(default: the space's option, else 0.30)")
+    p.add_argument("--peak-tflops", type=positive_float, default=None,
+                   help="peak TFLOP/s per device for MFU (default: hardware preset, or measured on CPU)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="GPUs per node (default: the hardware's)")
+    p.add_argument("--launcher", choices=("local",), default="local", help="how trials start (default local)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="model", help="default model (estimator-guided)")
+    add_trial_options(p)
+    p.set_defaults(func=cmd_run, steps=None, warmup=None)
+
     p = sub.add_parser("models", help="list the model presets with their sizes")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
     p.set_defaults(func=cmd_models)
     return parser
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
+    return value
+
+
+def default_hardware(device: str) -> str:
+    """cpu on the CPU; on CUDA the preset matching nvidia-smi's device name, else h100-sxm."""
+    if device == "cpu":
+        return "cpu"
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        name = ""
+    preset = hardware_for_device_name(name)
+    if preset is None:
+        stderr.print(f"no hardware preset for {name or 'this GPU'!r}: assuming h100-sxm (use --hardware)")
+        return "h100-sxm"
+    return preset.name
+
+
+def cmd_run(args) -> int:
+    from autotune.study import Question, run_sweep  # optuna and friends: only for commands that need them
+
+    model = load_model(args.model)
+    space = load_space(args.space)
+    hardware = load_hardware(args.hardware or default_hardware(args.device))
+    options = space.options
+    question = Question(
+        model=dataclasses.asdict(model), gpus=args.gpus, space=dataclasses.asdict(space),
+        hardware=dataclasses.asdict(hardware), objective=args.objective, sampler=args.sampler,
+        max_comm_fraction=args.max_comm_fraction if args.max_comm_fraction is not None
+        else options.get("max_comm_fraction", 0.30),
+        memory_budget_gb=args.memory_budget_gb or (hardware.memory_gb or None),
+        device=args.device, steps=args.steps or options.get("steps", 5),
+        warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
+        gpus_per_node=args.gpus_per_node or hardware.gpus_per_node, launcher=args.launcher,
+        trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops)
+    out = Path(args.out or f"results/{model.name}-{args.gpus}gpus")
+    return run_sweep(question, out, storage=args.storage, study_name=args.study_name)
 
 
 def cmd_trial(args) -> int:

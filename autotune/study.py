@@ -1,0 +1,339 @@
+"""The study: one Optuna study per results folder, one real trial per layout.
+
+    ask a sampler for an untaken valid layout
+      -> price it with the estimator; predicted OOM: pruned, never launched
+      -> launch it (a child process group with a wall-clock limit)
+      -> measured OOM: pruned/oom; exposed comm over the threshold: pruned/comm_bound;
+         crash, error, timeout: failed with the reason; else complete
+      -> every figure kept in the trial's user attributes, trials.csv rewritten
+
+The controller never imports the distributed runtime and never joins a process
+group: Optuna stays in this process, trials run in children. Running the same
+command again (same --out) resumes: finished trials are kept, a trial left running
+by a killed controller is measured again, no layout is measured twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.config import HardwareConfig, ModelConfig, model_from_dict
+from autotune.errors import UsageError
+from autotune.estimate import Calibration, calibrate, estimate
+from autotune.launch import run_trial
+from autotune.report import write_csv
+from autotune.layout import Layout
+from autotune.progress import Progress, summary_table
+from autotune.samplers import (GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler,
+                               layout_from_params)
+from autotune.space import Space, valid_layouts
+from autotune.trialspec import TrialSpec
+
+GB = 1024 ** 3
+# A trial's wall-clock limit: generous multiples of its predicted run time, never below a
+# floor that covers process start-up, imports and process-group set-up.
+TIMEOUT_FLOOR_S = {"cpu": 180.0, "cuda": 600.0}
+TIMEOUT_PREDICTION_FACTOR = 5.0
+# Measured figures copied from a trial's JSON into the Optuna trial's user attributes.
+MEASURED_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_mem_bytes",
+                 "comm_fraction", "exposed_comm_fraction", "grad_accum", "world_size", "duration_s")
+
+
+@dataclass
+class Question:
+    """What the user asked: stored with the study so `report` and `worker` can read it."""
+
+    model: dict
+    gpus: int
+    space: dict  # Space fields
+    hardware: dict  # HardwareConfig fields
+    objective: str = "tokens_per_s"
+    sampler: str = "model"
+    max_comm_fraction: float = 0.30
+    memory_budget_gb: float | None = None
+    device: str = "cpu"
+    steps: int = 5
+    warmup: int = 2
+    seed: int = 0
+    gpus_per_node: int | None = None
+    launcher: str = "local"
+    trials: int | None = None
+    time_budget_s: float | None = None
+    peak_tflops: float | None = None
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return model_from_dict(self.model)
+
+    @property
+    def hardware_config(self) -> HardwareConfig:
+        return HardwareConfig(**self.hardware)
+
+    @property
+    def space_config(self) -> Space:
+        return Space(**self.space)
+
+    def identity(self) -> dict:
+        """What must match for a re-run to resume this study rather than start another."""
+        return {"model": self.model, "gpus": self.gpus, "space": self.space["values"], "device": self.device,
+                "objective": self.objective}
+
+
+@dataclass
+class Tally:
+    """Counts and the best trial so far, for the progress display and the summary."""
+
+    complete: int = 0
+    pruned: int = 0
+    failed: int = 0
+    launched: int = 0
+    best: dict | None = None
+    last: dict | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+def open_study(question: Question, out: Path, storage: str | None, study_name: str | None) -> optuna.Study:
+    """Create the study, or load it when this folder (or storage) already holds it."""
+    url = storage or f"sqlite:///{out / 'study.db'}"
+    name = study_name or f"{question.model['name']}-{question.gpus}gpus"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=name, storage=url, direction="maximize", load_if_exists=True)
+    stored = study.user_attrs.get("question")
+    if stored is None:
+        study.set_user_attr("question", dataclasses.asdict(question))
+    elif Question(**stored).identity() != question.identity():
+        raise UsageError(f"--out {out}: holds a study of another question (model, gpus, space, device or "
+                         f"objective differ); give another --out or --study-name")
+    return study
+
+
+def make_sampler(question: Question, layouts: list[Layout], study_score) -> LayoutSampler:
+    if question.sampler == "grid":
+        return GridSampler(layouts, question.seed)
+    if question.sampler == "random":
+        return RandomSampler(layouts, question.seed)
+    if question.sampler == "tpe":
+        return TpeSampler(layouts, question.seed)
+    return ModelSampler(layouts, study_score, question.seed)
+
+
+class Controller:
+    """Runs trials of one study until the budget is spent or every layout is taken."""
+
+    def __init__(self, question: Question, study: optuna.Study, out: Path, progress=None):
+        self.q = question
+        self.study = study
+        self.out = out
+        self.model = question.model_config
+        self.hardware = question.hardware_config
+        self.layouts = valid_layouts(self.model, question.gpus, question.space_config, question.gpus_per_node)
+        self.budget_bytes = question.memory_budget_gb * GB if question.memory_budget_gb else None
+        self.sampler = make_sampler(question, self.layouts, self.scorer)
+        study.sampler = self.sampler  # the sampler depends on the layouts, known only now
+        self.progress = progress
+        self.tally = Tally()
+
+    # -- the estimator, calibrated on what has been measured --------------------------------
+    def calibration(self) -> Calibration | None:
+        measured = [(self.sampler.by_name[t.user_attrs["layout"]], t.user_attrs) for t in self.study.get_trials(
+            deepcopy=False) if t.user_attrs.get("tokens_per_s") and t.user_attrs.get("layout") in self.sampler.by_name]
+        return calibrate(measured, self.model, self.hardware, device=self.q.device) if measured else None
+
+    def predict(self, layout: Layout, calibration: Calibration | None = None):
+        return estimate(self.model, layout, self.hardware, self.budget_bytes, calibration, device=self.q.device)
+
+    def scorer(self, study: optuna.Study):
+        """Sort key for the model sampler: layouts predicted to fit first, then by prediction."""
+        calibration = self.calibration()
+
+        def score(layout: Layout):
+            e = self.predict(layout, calibration)
+            return (e.fits, e.mfu if self.q.objective == "mfu" else e.tokens_per_s)
+        return score
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> Tally:
+        """Optimize until --trials launches, --time-budget seconds, or no untaken layout.
+
+        Optuna's own loop (`optimize`) runs the trials, so heartbeats of a shared storage
+        work and a trial of a dead worker is failed and given back (see taken_layouts)."""
+        self.recount()
+        if self.budget_left():
+            self.study.optimize(self.objective, timeout=self.q.time_budget_s, callbacks=[self.stop_when_done],
+                                catch=(TrialFailed,), gc_after_trial=False)
+        return self.tally
+
+    def budget_left(self) -> bool:
+        if self.q.trials is not None and self.tally.launched >= self.q.trials:
+            return False
+        return bool(self.sampler.untaken(self.study))
+
+    def stop_when_done(self, study: optuna.Study, trial) -> None:
+        if not self.budget_left():
+            study.stop()
+
+    def objective(self, trial: optuna.Trial) -> float:
+        params = {key: trial.suggest_categorical(key, dist.choices)
+                  for key, dist in self.sampler.distributions.items()}
+        layout = layout_from_params(self.sampler, params)
+        trial.set_user_attr("layout", str(layout))
+        trial.set_user_attr("layout_short", layout.short())
+        predicted = self.predict(layout, self.calibration())
+        for key in ("peak_mem_bytes", "tokens_per_s", "step_time_s", "mfu", "comm_fraction"):
+            trial.set_user_attr(f"predicted_{key}", getattr(predicted, key))
+        if not predicted.fits:
+            return self.finish(trial, "pruned", "predicted_oom", {"error": (
+                f"predicted peak {predicted.peak_mem_bytes / GB:.2f} GiB over the budget of "
+                f"{self.budget_bytes / GB:.2f} GiB")})
+        if self.progress:
+            self.progress.trial_started(trial.number, layout.short())
+        try:
+            record = self.launch(trial.number, layout, predicted)
+        except KeyboardInterrupt:
+            self.finish(trial, "failed", "interrupted", {"error": "the controller was interrupted (Ctrl-C)"},
+                        raise_=False)
+            raise
+        self.tally.launched += 1
+        status, reason = record["status"], record.get("reason")
+        exposed = record.get("exposed_comm_fraction")
+        if status == "complete" and exposed is not None and exposed > self.q.max_comm_fraction:
+            status, reason = "pruned", "comm_bound"
+            record["error"] = (f"exposed communication {exposed:.0%} of the step, over the threshold of "
+                               f"{self.q.max_comm_fraction:.0%}")
+        return self.finish(trial, status, reason, record)
+
+    def launch(self, number: int, layout: Layout, predicted) -> dict:
+        spec = TrialSpec(model=self.q.model, layout=str(layout), steps=self.q.steps, warmup=self.q.warmup,
+                         seed=self.q.seed, device=self.q.device, memory_budget_gb=self.q.memory_budget_gb,
+                         peak_tflops=self.q.peak_tflops, hardware=self.hardware.name)
+        predicted_run = predicted.step_time_s * (self.q.steps + self.q.warmup)
+        floor = TIMEOUT_FLOOR_S[self.q.device]
+        timeout = max(floor, TIMEOUT_PREDICTION_FACTOR * predicted_run) if math.isfinite(predicted_run) else floor
+        trial_dir = self.out / "trials" / str(number)
+        record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir)
+        (trial_dir / "result.json").write_text(json.dumps(record, indent=2))
+        return record
+
+    def finish(self, trial: optuna.Trial, status: str, reason: str | None, record: dict,
+               raise_: bool = True) -> float:
+        """Keep every figure in the trial's attributes, then end it in Optuna's terms:
+        complete returns the objective, pruned raises TrialPruned, failed TrialFailed."""
+        attrs = {"status": status, "reason": reason}
+        attrs.update({key: record[key] for key in MEASURED_KEYS + ("losses",) if record.get(key) is not None})
+        if record.get("error"):
+            attrs["error"] = str(record["error"])[:2000]
+        if record.get("stderr_tail"):
+            attrs["stderr_tail"] = record["stderr_tail"][-4000:]
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        value = record.get(self.q.objective) if status == "complete" else None
+        self.count(status, {**trial.user_attrs, **attrs}, value)
+        write_csv(self.study, self.out / "trials.csv")
+        if self.progress:
+            self.progress.trial_finished(self.tally)
+        if not raise_:
+            return float("nan")
+        if status == "complete":
+            return value
+        if status == "pruned":
+            raise optuna.TrialPruned(attrs.get("error", reason))
+        raise TrialFailed(f"{reason}: {attrs.get('error', '')}")
+
+    def count(self, status: str, attrs: dict, value: float | None) -> None:
+        if status == "complete":
+            self.tally.complete += 1
+        elif status == "pruned":
+            self.tally.pruned += 1
+        else:
+            self.tally.failed += 1
+        self.tally.last = dict(attrs)
+        if value is not None and (self.tally.best is None or value > self.tally.best["value"]):
+            self.tally.best = {"value": value, **attrs}
+
+    def recount(self) -> None:
+        """Start the tally from what the study already holds (a resumed sweep)."""
+        for t in self.study.get_trials(deepcopy=False):
+            status = t.user_attrs.get("status")
+            if status is None or t.user_attrs.get("reason") == "interrupted":
+                continue
+            self.count(status, t.user_attrs, t.value if t.state == TrialState.COMPLETE else None)
+
+
+class TrialFailed(Exception):
+    """A trial that crashed, raised or timed out: Optuna records it as FAIL and goes on."""
+
+
+def fail_abandoned_trials(study: optuna.Study) -> int:
+    """Mark RUNNING trials failed: only safe when no other controller uses this storage
+    (the results folder's lock says so). Their layouts are then measured again."""
+    abandoned = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for t in abandoned:
+        study.tell(t.number, state=TrialState.FAIL)
+    return len(abandoned)
+
+
+@contextlib.contextmanager
+def results_folder(out: Path, exclusive: bool):
+    """Create the folder and, for a study stored in it, hold its lock: one controller
+    per local study, so trials it finds RUNNING were abandoned by a killed controller."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write there ({e.strerror})") from None
+    if not exclusive:
+        yield
+        return
+    with open(out / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UsageError(f"--out {out}: another autotune run is using this folder") from None
+        yield
+
+
+def run_sweep(question: Question, out: Path, storage: str | None = None, study_name: str | None = None,
+              console=None) -> int:
+    """`autotune run`: open or resume the study, run trials, write the results. Returns the
+    exit code (0, or 130 when interrupted with Ctrl-C: the running trial is killed and
+    marked, the CSV written, and the next run resumes)."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    with results_folder(out, exclusive=storage is None):
+        study = open_study(question, out, storage, study_name)
+        if storage is None:
+            fail_abandoned_trials(study)
+        title = (f"{question.model['name']} on {question.gpus} {question.device} GPUs · space "
+                 f"{question.space['name']} · sampler {question.sampler} · {out}")
+        controller = Controller(question, study, out)
+        interrupted = False
+        with Progress(title, question.objective, len(controller.layouts), question.trials,
+                      question.time_budget_s, console) as progress:
+            controller.progress = progress
+            try:
+                controller.run()
+            except KeyboardInterrupt:
+                interrupted = True
+        frame = write_csv(study, out / "trials.csv")
+        console.print(summary_table(frame, question.objective))
+        if interrupted:
+            console.print(f"interrupted: {out / 'trials.csv'} is written; run the same command to resume")
+            return 130
+        best = controller.tally.best
+        if best:
+            console.print(f"best: {best.get('layout_short')}  ({best['value']:,.4g} {question.objective})")
+        console.print(f"results: {out / 'trials.csv'}")
+        return 0
