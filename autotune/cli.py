@@ -120,6 +120,12 @@ def build_parser() -> Parser:
     p = sub.add_parser("models", help="list the model presets with their sizes")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("report", help="write trials.csv, report.html and best/ again from a study's storage")
+    p.add_argument("dir", metavar="DIR", help="results folder (holds study.db unless --storage is given)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL of a shared study (default: DIR/study.db)")
+    p.add_argument("--study-name", default=None, help="the study to report (default: the storage's only one)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 
@@ -221,6 +227,21 @@ def cmd_models(args) -> int:
                       str(r["hidden"]), f"{r['heads']}/{r['kv_heads']}", str(r["seq_len"]),
                       str(r["global_batch"]), r["experts"])
     Console().print(table)
+    return 0
+
+
+def cmd_report(args) -> int:
+    """Reads the study and writes files: runs nothing, so it works during or after a sweep."""
+    from autotune.report import load_study, write_reports
+
+    out = Path(args.dir)
+    if args.storage is None and not out.is_dir():
+        raise UsageError(f"DIR {out}: no such folder")
+    study = load_study(out, args.storage, args.study_name)
+    frame = write_reports(study, out)
+    written = ["trials.csv", "report.html"] + (["best/"] if (frame["status"] == "complete").any() else [])
+    print(f"{study.study_name}: {len(frame)} trials -> " + ", ".join(str(out / name) for name in written),
+          file=sys.stderr)
     return 0
 
 

@@ -31,7 +31,7 @@ from autotune.config import HardwareConfig, ModelConfig, model_from_dict
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, calibrate, estimate
 from autotune.launch import run_trial
-from autotune.report import write_csv
+from autotune.report import write_csv, write_reports
 from autotune.layout import Layout
 from autotune.progress import Progress, summary_table
 from autotune.samplers import (GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler,
@@ -327,7 +327,7 @@ def run_sweep(question: Question, out: Path, storage: str | None = None, study_n
                 controller.run()
             except KeyboardInterrupt:
                 interrupted = True
-        frame = write_csv(study, out / "trials.csv")
+        frame = write_reports(study, out)  # trials.csv, report.html, best/
         console.print(summary_table(frame, question.objective))
         if interrupted:
             console.print(f"interrupted: {out / 'trials.csv'} is written; run the same command to resume")
@@ -335,5 +335,5 @@ def run_sweep(question: Question, out: Path, storage: str | None = None, study_n
         best = controller.tally.best
         if best:
             console.print(f"best: {best.get('layout_short')}  ({best['value']:,.4g} {question.objective})")
-        console.print(f"results: {out / 'trials.csv'}")
+        console.print(f"results: {out / 'trials.csv'} · report: {out / 'report.html'}")
         return 0
