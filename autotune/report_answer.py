@@ -227,8 +227,11 @@ def runner_up_text(question: dict, best: pd.Series, runner: pd.Series | None, ob
     if not (present(runner["peak_mem_gb"]) and present(best["peak_mem_gb"])):
         return text
     delta = runner["peak_mem_gb"] - best["peak_mem_gb"]
-    text += (f" It needs {abs(delta):.2f} GiB {'less' if delta < 0 else 'more'} memory per GPU "
-             f"({runner['peak_mem_gb']:.2f} GiB).")
+    if abs(delta) < 0.005:
+        text += f" Its peak memory is the same ({runner['peak_mem_gb']:.2f} GiB)."
+    else:
+        text += (f" It needs {abs(delta):.2f} GiB {'less' if delta < 0 else 'more'} memory per GPU "
+                 f"({runner['peak_mem_gb']:.2f} GiB).")
     budget = question.get("memory_budget_gb")
     if budget and delta < 0:
         best_room, runner_room = 1 - best["peak_mem_gb"] / budget, 1 - runner["peak_mem_gb"] / budget

@@ -215,7 +215,8 @@ def param_importance(study: optuna.Study) -> Chart:
     sampler suggested, on the complete trials; it needs a few of them and some variety."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     chart = Chart("importance", f"Which layout keys mattered: Optuna's parameter importance over "
-                                f"{len(complete)} complete trials")
+                                f"{len(complete)} complete trials"
+                                + (" (fewer than 10: indicative only)" if len(complete) < 10 else ""))
     if len(complete) < 3:
         chart.note = f"Parameter importance needs at least 3 complete trials; this study has {len(complete)}."
         return chart

@@ -131,7 +131,7 @@ def answer_html(q: dict, result: Answer) -> str:
     parts = [
         f"<div class='recommend'><div class='label'>Train with</div>"
         f"<div class='layout'>{e(best['layout_short'])}</div>"
-        f"<div class='full'>trial {int(best['trial'])} · <code>{e(best['layout'])}</code></div>"
+        f"<div class='full'>trial {int(best['trial'])} · <code>{e(best['layout'])}</code><br>{e(gpu_split(best))}</div>"
         f"<div class='kpis'>" + "".join(f"<div class='kpi'><div class='v'>{e(v)}</div><div class='k'>{e(k)}</div>"
                                       f"</div>" for k, v in kpis) + "</div></div>",
         f"<p class='verdict'>{e(result.summary)}</p>",
@@ -155,6 +155,18 @@ def answer_html(q: dict, result: Answer) -> str:
         " · <a href='best/deepspeed.json'>deepspeed.json</a> (where it applies); each says which settings map "
         "exactly and which have no equivalent there.</p>")
     return "\n".join(parts)
+
+
+def gpu_split(best) -> str:
+    """How the GPUs are cut: our mesh's reading, and for MoE the seeds' reading with expert data parallel."""
+    tp, pp, cp, ep, dp = (int(best[k]) for k in ("tp", "pp", "cp", "ep", "dp"))
+    text = f"GPUs = PP × DP × CP × TP = {pp} × {dp} × {cp} × {tp} = {pp * dp * cp * tp}"
+    if ep > 1 and dp % ep == 0:
+        text += (f"; for the experts, TP × PP × CP × EP × DP_expert = {tp} × {pp} × {cp} × {ep} × {dp // ep}"
+                 f" (DP_expert = DP / EP)")
+    elif ep > 1:
+        text += f"; EP = {ep} is carved from dp_shard × cp = {int(best['dp_shard'])} × {cp}"
+    return text
 
 
 def choices_html(result: Answer) -> str:

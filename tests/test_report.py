@@ -17,6 +17,7 @@ from autotune.export import exports, write_best
 from autotune.layout import Layout, parse_layout, resolve
 from autotune.report import GB, trial_table, write_reports
 from autotune.report_answer import answer
+from autotune.report_html import gpu_split
 from autotune.space import load_space, valid_layouts
 from autotune.trialspec import TrialSpec
 from report_study import OUTCOMES, make_study, question
@@ -119,6 +120,14 @@ def test_answer_explains_with_the_rules_of_thumb(tmp_path):
     assert "safer choice" in result.runner_up_text  # 50% headroom for 3% of the throughput
     tp = [c for c in result.choices if c.key == "tp"]
     assert [(c.value, c.chosen) for c in tp] == [(2, True), (4, False)] and tp[1].vs_best == pytest.approx(-0.03)
+
+
+def test_the_gpu_split_reads_both_ways():
+    moe = pd.Series({"tp": 2, "pp": 1, "cp": 1, "ep": 4, "dp": 8, "dp_shard": 8})
+    assert gpu_split(moe) == ("GPUs = PP × DP × CP × TP = 1 × 8 × 1 × 2 = 16; for the experts, "
+                              "TP × PP × CP × EP × DP_expert = 2 × 1 × 1 × 4 × 2 (DP_expert = DP / EP)")
+    assert "carved from dp_shard × cp = 2 × 2" in gpu_split(
+        pd.Series({"tp": 1, "pp": 2, "cp": 2, "ep": 4, "dp": 2, "dp_shard": 2}))
 
 
 def known_question(gpus=16):
