@@ -12,12 +12,8 @@ from pathlib import Path
 import pytest
 
 from autotune.report import write_reports
+from chromium import CHROMIUM, Chromium
 from report_study import make_study
-
-try:
-    from chromium import CHROMIUM, Chromium
-except ImportError as missing:  # websocket-client is in the test extra
-    pytest.skip(f"needs {missing.name} (pip install -e '.[test]')", allow_module_level=True)
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason=f"needs Chromium at {CHROMIUM} (Debian: apt-get install chromium; CI installs "
