@@ -230,7 +230,8 @@ def torchtitan(t: Target) -> Export:
                         f"{m.global_batch_size}" + (f", pipeline_parallel_microbatch_size = {L.mbs}" if L.pp > 1
                                                     else ""),
                         "torchtitan derives the accumulation from global / (local x dp)" if L.pp == 1 else
-                        f"{t.grad_accum} pipeline micro-batches per step"))
+                        f"{t.grad_accum} pipeline micro-batches per step (newer torchtitan: num_pp_microbatches = "
+                        f"{t.grad_accum})"))
     ac = {"mode": L.recompute}
     if L.recompute == "selective":
         ac["selective_ac_option"] = "op"
