@@ -73,7 +73,7 @@ class Estimate:
     memory_budget_bytes: float | None = None
     device: str = "cuda"
     worst_pp_rank: int = 0
-    peak_phase: str = "backward"  # "backward": start of a backward pass; "optimizer": the step
+    peak_phase: str = "loss_backward"  # or "layer_backward", "optimizer_step": see estimate_memory.rank_memory
     grad_accum: int = 1
     tokens_per_s_per_gpu: float = 0.0
     compute_s: float = 0.0  # busy time of the slowest pipeline rank, its TP/CP/EP communication included
@@ -109,14 +109,16 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
     """
     cal = calibration or default_calibration(device)
     shapes = [rank_shape(model, layout, rank) for rank in pipeline_ranks(layout)]
-    worst, worst_rank, phase, memory = -1.0, 0, "backward", {}
+    peak, worst_rank, phase, memory = -1.0, 0, "", {}
     for shape in shapes:
         for rank_phase, terms in rank_memory(model, layout, device, shape).items():
-            if sum(terms.values()) > worst:
-                worst, worst_rank, phase, memory = sum(terms.values()), shape.rank, rank_phase, terms
-    memory = {term: cal.memory_scale * b for term, b in memory.items()}
-    memory["overhead"] += cal.memory_offset_bytes
-    peak = sum(memory.values())
+            total = sum(terms.values())
+            if total > peak:
+                peak, worst_rank, phase, memory = total, shape.rank, rank_phase, terms
+    if cal.memory_scale != 1.0 or cal.memory_offset_bytes:
+        memory = {term: cal.memory_scale * b for term, b in memory.items()}
+        memory["overhead"] += cal.memory_offset_bytes
+        peak = sum(memory.values())
     fits = memory_budget_bytes is None or peak <= memory_budget_bytes
     common = dict(layout=layout, peak_mem_bytes=peak, memory=memory, fits=fits, memory_budget_bytes=memory_budget_bytes,
                   device=device, worst_pp_rank=worst_rank, peak_phase=phase, grad_accum=layout.grad_accum(model))

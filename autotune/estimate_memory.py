@@ -312,8 +312,9 @@ def reshards_after_forward(layout: Layout) -> bool:
 # -- the two candidate peaks ----------------------------------------------------------------------
 
 def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShape) -> dict[str, dict[str, float]]:
-    """Bytes a pipeline rank holds at each candidate peak, by term:
-    {"backward": {...}, "optimizer": {...}}; the larger is the rank's peak."""
+    """Bytes a pipeline rank holds at each candidate peak, by term: {phase: {term:
+    bytes}} for the phases loss_backward (the rank with the head), layer_backward and
+    optimizer_step; the largest is the rank's peak."""
     prec = precision(model, device)
     m = layout.grad_accum(model)
     total = shape.dense_params + shape.expert_params
@@ -340,9 +341,8 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
         working = 0.0
 
     chunks = chunks_in_flight(layout, m, shape.rank)
-    activations, logits = _activations_and_logits(model, layout, prec, shape, chunks)
     # Between micro-batches FSDP2 keeps unsharded fp32 gradients (the trainer syncs on the
-    # last micro-batch only); a backward reaches the peak with them only if an earlier
+    # last micro-batch only); a backward reaches its peak with them only if an earlier
     # backward ran in this step.
     grads_at_backward = prec.grad * total if m * stage_chunks(layout) > chunks else 0.0
 
@@ -357,20 +357,33 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
         temp = 4 * (sharded if layout.zero >= 1 else total)
     else:
         temp = 2 * 4 * shape.largest_tensor / dense_shard
-    return {
-        "backward": {"params": param_bytes, "grads": grads_at_backward, "optimizer": optim_bytes,
-                     "optimizer_temp": 0.0, "activations": activations, "fsdp_buffers": working,
-                     "logits": logits, "overhead": overhead},
-        "optimizer": {"params": param_bytes, "grads": grads_after_step, "optimizer": optim_bytes,
-                      "optimizer_temp": temp, "activations": 0.0,
-                      "fsdp_buffers": working if layout.zero <= 1 else 0.0, "logits": 0.0, "overhead": overhead},
-    }
+    phases = {}
+    for phase, (activations, logits) in _backward_peaks(model, layout, prec, shape, chunks).items():
+        phases[phase] = {"params": param_bytes, "grads": grads_at_backward, "optimizer": optim_bytes,
+                         "optimizer_temp": 0.0, "activations": activations, "fsdp_buffers": working,
+                         "logits": logits, "overhead": overhead}
+    phases["optimizer_step"] = {"params": param_bytes, "grads": grads_after_step, "optimizer": optim_bytes,
+                                "optimizer_temp": temp, "activations": 0.0,
+                                "fsdp_buffers": working if layout.zero <= 1 else 0.0, "logits": 0.0,
+                                "overhead": overhead}
+    return phases
 
 
-def _activations_and_logits(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape,
-                            chunks: int) -> tuple[float, float]:
-    """Activations and loss buffers of a pipeline rank at the start of a backward pass,
-    with `chunks` (stage, micro-batch) forwards in flight."""
+def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape,
+                    chunks: int) -> dict[str, tuple[float, float]]:
+    """(activations, loss buffers) of a pipeline rank at the peaks of a backward pass,
+    with `chunks` (stage, micro-batch) forwards in flight:
+
+    loss_backward (the rank with the head): every activation saved, and cross_entropy's
+      buffers. It runs on fp32 logits (split by tp under loss_parallel): log_softmax
+      saves its fp32 output, and its backward holds that, the incoming gradient and its
+      result at once, 12 bytes per token and vocabulary entry.
+    layer_backward: the head's buffers freed, the last layer's SwiGLU backward holds the
+      incoming gradient, the down projection's weight gradient (fp32) and two tokens x
+      ffn gradients more than the tensors it frees; recompute rebuilds that layer first.
+    Under PP, micro-batches whose backward has not started keep their log_softmax output
+    and the stage's logits on the last stage.
+    """
     fig = model_figures(model)
     tokens = layout.mbs * model.seq_len / layout.cp  # local tokens of one micro-batch
     sp, tp, c, h = bool(layout.sp), layout.tp, prec.compute, model.hidden_size
@@ -386,20 +399,20 @@ def _activations_and_logits(model: ModelConfig, layout: Layout, prec: Precision,
     kept = per_token(layout.recompute)
     # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch.
     rope = 0.0 if layout.recompute == "full" else shape.layers * model.seq_len / layout.cp * model.head_dim * 4
-    activations = chunks * (tokens * kept + rope) / stage_chunks(layout)
-    if layout.recompute != "none":  # one layer recomputed during its backward
-        activations += tokens * (per_token("none") - kept) / shape.layers
+    stored = chunks * (tokens * kept + rope) / stage_chunks(layout)
     if layout.pp > 1:  # the schedule keeps each in-flight stage's input and output
-        activations += chunks * tokens * 2 * h * c / (tp if sp else 1)
+        stored += chunks * tokens * 2 * h * c / (tp if sp else 1)
 
-    if not shape.last:
-        # Backward of a chunk's last layer: gradients of the SwiGLU's inputs alive.
-        return activations + tokens * 3 * model.ffn_hidden_size / tp * c, 0.0
-    # The final norm saves what a block's norm does. cross_entropy runs on fp32 logits
-    # (split by tp under loss_parallel): log_softmax saves its fp32 output, and its
-    # backward holds that, the incoming gradient and its result at once, 12 bytes per
-    # token and vocabulary entry. Under PP, micro-batches whose backward has not started
-    # keep their saved output and the stage's logits.
-    activations += tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input)
-    waiting = max(1, chunks // stage_chunks(layout)) - 1
-    return activations, tokens * model.vocab_size / tp * (12 + waiting * (4 + c))
+    recomputed = tokens * (per_token("none") - kept) / shape.layers
+    if shape.moe_layers == shape.layers:
+        ffn, weight = model.moe.top_k * model.moe.expert_ffn_hidden_size, model.moe.expert_ffn_hidden_size
+    else:
+        ffn = weight = model.ffn_hidden_size
+    swiglu = tokens * (h / (tp if sp else 1) + 2 * ffn / tp) * c + h * weight / tp * prec.grad
+    waiting = max(1, chunks // stage_chunks(layout)) - 1 if shape.last else 0
+    saved_logits = tokens * model.vocab_size / tp * waiting * (4 + c)
+    peaks = {"layer_backward": (stored + recomputed + swiglu, saved_logits)}
+    if shape.last:
+        final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input)
+        peaks["loss_backward"] = (stored + final_norm, saved_logits + tokens * model.vocab_size / tp * 12)
+    return peaks

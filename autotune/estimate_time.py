@@ -164,7 +164,7 @@ class MicrobatchWork:
 
 
 def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per_s: float, compute_bytes: int,
-                     shapes: list[RankShape]) -> list[MicrobatchWork]:
+                     shapes: list[RankShape], groups: dict[str, Group]) -> list[MicrobatchWork]:
     """One micro-batch's work on each pipeline rank in `shapes`.
 
     FLOPs as in ModelConfig.flops_per_token (2 per multiply-add; attention scores and
@@ -178,7 +178,7 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     all-to-all each way; CP's ring cp-1 KV hops forward, KV and dKV hops backward, each
     hidden behind the core's work on one of the cp blocks.
     """
-    fig, groups = model_figures(model), mesh_groups(layout)
+    fig = model_figures(model)
     tp, cp, c, h = layout.tp, layout.cp, compute_bytes, model.hidden_size
     tokens = layout.mbs * model.seq_len / cp
     act_bytes = tokens * h * c
@@ -237,7 +237,8 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     """`shapes`: what the pipeline ranks that can be the slowest hold (the first, the last)."""
     prec = precision(model, device)
     m, v = layout.grad_accum(model), stage_chunks(layout)
-    work = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes), key=lambda w: w.busy)
+    groups = mesh_groups(layout)
+    work = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes, groups), key=lambda w: w.busy)
     compute = m * work.busy
     bubble = bubble_time(layout, work.forward / v, work.backward_input / v, work.backward_weight / v)
     comm = {dim: m * t for dim, t in work.total.items()}
@@ -245,7 +246,6 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
 
     # Data parallel. Gradients in fp32 once per step; zero 0 all-reduces them, zero >= 1
     # reduce-scatters over the shard group and all-reduces the shard over replicas (HSDP).
-    groups = mesh_groups(layout)
     params = max(shapes, key=lambda s: s.dense_params + s.expert_params)
     grads, expert_grads = prec.grad * params.dense_params, prec.grad * params.expert_params
     shard, expert_shard, replicas = groups["dp_shard_cp"], groups["expert_shard"], groups["dp_replicate"]

@@ -27,7 +27,7 @@ NO_LATENCY = Calibration(latency_s=0.0)
 
 def state_bytes(model, layout: Layout, device: str) -> float:
     """Parameters + gradients + AdamW states after a step, on pipeline rank 0."""
-    terms = rank_memory(model, layout, device, rank_shape(model, layout, 0))["optimizer"]
+    terms = rank_memory(model, layout, device, rank_shape(model, layout, 0))["optimizer_step"]
     return terms["params"] + terms["grads"] + terms["optimizer"]
 
 
@@ -52,7 +52,7 @@ def test_70b_dense_in_mixed_precision_with_adam_needs_16_bytes_per_parameter():
     assert total / LLAMA_70B.num_params() == pytest.approx(16.0)
     assert 1.05e12 < total < 1.2e12  # ~1.1 TB of static state
     # ... plus the bf16 working copy the compute runs on.
-    terms = rank_memory(LLAMA_70B, one_gpu, "cuda", rank_shape(LLAMA_70B, one_gpu, 0))["backward"]
+    terms = rank_memory(LLAMA_70B, one_gpu, "cuda", rank_shape(LLAMA_70B, one_gpu, 0))["loss_backward"]
     assert terms["fsdp_buffers"] == pytest.approx(2 * LLAMA_70B.num_params())
 
 
