@@ -7,8 +7,8 @@ candidates, and answers "what if" for clusters the user does not have. Pure Pyth
 It models what our runtime does, not a generic framework: estimate_memory.py says
 which runtime behaviour each memory term mirrors, estimate_time.py the FLOP and
 communication accounting and its overlap assumptions. This module assembles them,
-fits them to measured trials (`calibrate`) and prices every layout of a space
-(`estimate_all`).
+fits them to measured trials (`calibrate`) and lists every layout of a space
+(`valid_layouts`) for pricing and ranking (`rank_estimates`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def default_calibration(device: str) -> Calibration:
 
 @dataclass
 class Estimate:
+    """One layout, priced: memory of its worst rank, and its step time.
+
+    Fields named as a trial's (step_time_s, tokens_per_s, mfu, peak_mem_bytes) mean
+    what the trial's mean; the time fields are NaN when the hardware's peak FLOP/s is
+    unknown."""
+
     layout: Layout
     peak_mem_bytes: float  # worst rank
     memory: dict[str, float]  # the worst rank at its peak, by term; sums to peak_mem_bytes:

@@ -6,18 +6,20 @@ gradients and AdamW states are fp32, compute runs in the model's dtype (bf16) on
 working copy of the parameters (FSDP2 mixed precision) and gradients are reduced in
 fp32: 4 + 4 + 8 = 16 bytes per parameter before sharding, plus the working copy.
 
-The peak is the larger of two moments of a step:
-- the start of a backward pass: every in-flight activation held, the loss's
-  vocabulary-sized buffers alive, and (after an earlier micro-batch) FSDP2's
-  unsharded fp32 gradients, since the trainer syncs on the last micro-batch only;
+The peak is the largest of three moments of a step (see rank_memory):
+- the loss's backward: every in-flight activation held and cross_entropy's
+  vocabulary-sized fp32 buffers alive;
+- the last layer's backward: the loss's buffers freed, SwiGLU's gradients alive;
 - the optimizer step: gradients complete, AdamW's temporaries.
+From the second micro-batch on, the backward moments also hold FSDP2's unsharded fp32
+gradients, since the trainer syncs gradients on the last micro-batch only.
 
 Activations are the tensors autograd saves, itemised per layer for our Llama block
 in the accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"): the same items with the paper's GPT block give its
-sbh(34 + 5as/h), and its TP, SP and recompute adjustments. Measured on the CPU
-runtime (one rank and plain data parallel, the tiny model), this accounting matches
-the bytes of live tensors to within 0.1%.
+sbh(34 + 5as/h), and its TP, SP and recompute adjustments. Against the CPU runtime
+(benchmarks/estimator_accuracy.md) the peak is within a few hundred bytes of the
+measured bytes of live tensors.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ class Saved:
     `split` says how tensor parallel divides it: "tp" always (heads, MLP columns);
     "sp" only with sequence parallel (the residual stream and norms); "full" never
     (the all-gathered input that a column-parallel linear saves under torch's
-    sequence parallel). `core` marks the attention core, which selective recompute
-    drops.
+    sequence parallel). `core` marks the attention core (split by tp: it works on
+    heads), which selective recompute drops.
     """
 
     name: str
@@ -134,10 +136,7 @@ class SavedTotals:
         sums = {"tp": 0.0, "sp": 0.0, "full": 0.0}
         for item in items:
             sums[item.split] += item.elements * item.bytes
-        core = sum(i.elements * i.bytes for i in items if i.core)
-        if any(i.core and i.split != "tp" for i in items):
-            raise ValueError("attention-core items are split by tp")
-        return cls(core=core, **sums)
+        return cls(core=sum(i.elements * i.bytes for i in items if i.core), **sums)
 
 
 def saved_bytes_per_token(saved: SavedTotals, tp: int, sp: bool, recompute: str, block_input: float) -> float:
@@ -182,15 +181,15 @@ def model_figures(model: ModelConfig) -> ModelFigures:
     for layer in range(model.num_layers):
         moe_before.append(moe_before[-1] + model.is_moe_layer(layer))
     moe = model.moe
+    router = model.hidden_size * moe.num_experts if moe else 0
     figures = ModelFigures(
         attention=model.attention_params(), dense_mlp=model.dense_mlp_params(),
-        moe_dense=model.hidden_size * moe.num_experts + moe.num_shared_experts * model.expert_params() if moe else 0,
+        moe_dense=router + moe.num_shared_experts * model.expert_params() if moe else 0,
         moe_routed=moe.num_experts * model.expert_params() if moe else 0,
-        moe_active=(model.hidden_size * moe.num_experts + (moe.top_k + moe.num_shared_experts)
-                    * model.expert_params()) if moe else 0,
+        moe_active=router + (moe.top_k + moe.num_shared_experts) * model.expert_params() if moe else 0,
         moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
-        saved={(moe, c): SavedTotals.of(block_saved_tensors(model, moe, c))
-               for moe in ((False, True) if moe else (False,)) for c in (2, 4)},
+        saved={(is_moe, c): SavedTotals.of(block_saved_tensors(model, is_moe, c))
+               for is_moe in ((False, True) if moe else (False,)) for c in (2, 4)},
         final_norm={c: SavedTotals.of(norm_saved_tensors(model, c, "final")) for c in (2, 4)}, shapes={})
     if len(_FIGURES) > 64:
         _FIGURES.clear()
@@ -309,7 +308,7 @@ def reshards_after_forward(layout: Layout) -> bool:
     return layout.zero == 3 and layout.pp == 1
 
 
-# -- the two candidate peaks ----------------------------------------------------------------------
+# -- the candidate peaks --------------------------------------------------------------------------
 
 def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShape) -> dict[str, dict[str, float]]:
     """Bytes a pipeline rank holds at each candidate peak, by term: {phase: {term:
@@ -357,9 +356,13 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
         temp = 4 * (sharded if layout.zero >= 1 else total)
     else:
         temp = 2 * 4 * shape.largest_tensor / dense_shard
+    # By the last layer's backward the head has its gradients, if none were there yet.
+    head_grads = prec.grad * (model.hidden_size + model.embedding_params() / layout.tp) if shape.last else 0.0
     phases = {}
-    for phase, (activations, logits) in _backward_peaks(model, layout, prec, shape, chunks).items():
-        phases[phase] = {"params": param_bytes, "grads": grads_at_backward, "optimizer": optim_bytes,
+    for phase, (activations, logits) in _backward_peaks(model, layout, prec, shape, chunks,
+                                                         accumulating=grads_at_backward > 0).items():
+        grads = grads_at_backward or (head_grads if phase == "layer_backward" else 0.0)
+        phases[phase] = {"params": param_bytes, "grads": grads, "optimizer": optim_bytes,
                          "optimizer_temp": 0.0, "activations": activations, "fsdp_buffers": working,
                          "logits": logits, "overhead": overhead}
     phases["optimizer_step"] = {"params": param_bytes, "grads": grads_after_step, "optimizer": optim_bytes,
@@ -370,7 +373,7 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
 
 
 def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape,
-                    chunks: int) -> dict[str, tuple[float, float]]:
+                    chunks: int, accumulating: bool) -> dict[str, tuple[float, float]]:
     """(activations, loss buffers) of a pipeline rank at the peaks of a backward pass,
     with `chunks` (stage, micro-batch) forwards in flight:
 
@@ -379,8 +382,11 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
       saves its fp32 output, and its backward holds that, the incoming gradient and its
       result at once, 12 bytes per token and vocabulary entry.
     layer_backward: the head's buffers freed, the last layer's SwiGLU backward holds the
-      incoming gradient, the down projection's weight gradient (fp32) and two tokens x
-      ffn gradients more than the tensors it frees; recompute rebuilds that layer first.
+      incoming gradient, then the down projection's weight gradient and the product's
+      gradient (tokens x ffn), then two tokens x ffn gradients more than the tensors it
+      frees. With gradients `accumulating` from earlier micro-batches the fresh weight
+      gradient is a temporary that AccumulateGrad adds and frees at once; without, it
+      becomes .grad and stays. Recompute rebuilds that layer first.
     Under PP, micro-batches whose backward has not started keep their log_softmax output
     and the stage's logits on the last stage.
     """
@@ -408,7 +414,11 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         ffn, weight = model.moe.top_k * model.moe.expert_ffn_hidden_size, model.moe.expert_ffn_hidden_size
     else:
         ffn = weight = model.ffn_hidden_size
-    swiglu = tokens * (h / (tp if sp else 1) + 2 * ffn / tp) * c + h * weight / tp * prec.grad
+    incoming, ffn_grad, weight_grad = tokens * h / (tp if sp else 1) * c, tokens * ffn / tp * c, h * weight / tp * prec.grad
+    if accumulating:
+        swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
+    else:
+        swiglu = incoming + weight_grad + 2 * ffn_grad
     waiting = max(1, chunks // stage_chunks(layout)) - 1 if shape.last else 0
     saved_logits = tokens * model.vocab_size / tp * waiting * (4 + c)
     peaks = {"layer_backward": (stored + recomputed + swiglu, saved_logits)}

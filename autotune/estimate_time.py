@@ -263,7 +263,7 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     layers = max(1, shapes[0].layers)
     dp_exposed = max(reduce / layers, reduce - work.backward_input - work.backward_weight) if reduce else 0.0
     dp_exposed += max(gather / layers, gather - compute) if gather else 0.0
-    if layout.zero == 1:  # every rank gathers the parameters its replicas updated
+    if layout.zero == 1:  # each rank updated its shard; the shard group gathers them all
         after_step = links.gather_or_scatter(prec.master * (params.dense_params + params.expert_params), shard)
         gather += after_step
         dp_exposed += after_step
