@@ -174,7 +174,7 @@ def main() -> int:
             predicted = estimate(cfg, layout, hardware, device="cpu")
             rows.append((world_size, model, layout, predicted, measured))
             print(f"{world_size} {model:10s} {layout.short():24s} predicted {predicted.peak_mem_bytes:>12,.0f} "
-                  f"measured {measured:>12,} error {predicted.peak_mem_bytes / measured - 1:+.2%}", flush=True)
+                  f"measured {measured:>12,} error {predicted.peak_mem_bytes / measured - 1:+.4%}", flush=True)
     errors = [abs(p.peak_mem_bytes / m - 1) for *_, p, m in rows]
     lines = [
         "# Estimator accuracy: peak memory on the CPU runtime",
@@ -184,18 +184,18 @@ def main() -> int:
         "Measured: max over ranks of the bytes of live tensors during one step after "
         f"{WARMUP} warm-up steps. Predicted: `estimate(..., device=\"cpu\")`.",
         "",
-        f"**{len(rows)} layouts: median absolute error {statistics.median(errors):.2%}, "
-        f"worst {max(errors):.2%}** (targets 5% and 15%).",
+        f"**{len(rows)} layouts: median absolute error {statistics.median(errors):.4%}, "
+        f"worst {max(errors):.4%}** (targets 5% and 15%).",
         "",
-        "| ranks | model | layout | grad_accum | predicted bytes | measured bytes | error | largest term |",
-        "|---:|---|---|---:|---:|---:|---:|---|",
+        "| ranks | model | layout | grad_accum | predicted bytes | measured bytes | error | predicted peak at | largest term |",
+        "|---:|---|---|---:|---:|---:|---:|---|---|",
     ]
     for world_size, model, layout, p, measured in rows:
         largest = max(p.memory, key=p.memory.get)
         lines.append(f"| {world_size} | {model} | {layout.short()} | {p.grad_accum} | {p.peak_mem_bytes:,.0f} | "
-                     f"{measured:,} | {p.peak_mem_bytes / measured - 1:+.2%} | {largest} |")
+                     f"{measured:,} | {p.peak_mem_bytes / measured - 1:+.4%} | {p.peak_phase} | {largest} |")
     OUT.write_text("\n".join(lines) + "\n")
-    print(f"median {statistics.median(errors):.2%}, worst {max(errors):.2%}; wrote {OUT}")
+    print(f"median {statistics.median(errors):.4%}, worst {max(errors):.4%}; wrote {OUT}")
     return 0 if statistics.median(errors) <= 0.05 and max(errors) <= 0.15 else 1
 
 
