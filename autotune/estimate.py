@@ -1,0 +1,245 @@
+"""Price a layout without launching it: peak memory per rank and step time.
+
+The study prunes layouts that cannot fit before they waste a launch, ranks
+candidates, and answers "what if" for clusters the user does not have. Pure Python
+(no torch import), so it prices thousands of layouts a second.
+
+It models what our runtime does, not a generic framework: estimate_memory.py says
+which runtime behaviour each memory term mirrors, estimate_time.py the FLOP and
+communication accounting and its overlap assumptions. This module assembles them,
+fits them to measured trials (`calibrate`) and lists every layout of a space
+(`valid_layouts`) for pricing and ranking (`rank_estimates`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from autotune.config import HardwareConfig, ModelConfig
+from autotune.errors import UsageError
+from autotune.estimate_memory import DEVICES, model_figures, pipeline_ranks, rank_memory, rank_shape
+from autotune.estimate_time import Links, step_time
+from autotune.layout import Layout, enumerate_layouts
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Factors fitted from measured trials by `calibrate`; `default_calibration` gives priors.
+
+    compute_efficiency: achieved fraction of the hardware's peak FLOP/s over all the
+    computation (matmuls, attention, memory-bound elementwise ops);
+    bandwidth_efficiency: achieved fraction of link bandwidth; latency_s: fixed cost of
+    one collective or transfer; memory: measured peak = memory_scale * modelled +
+    memory_offset_bytes (identity by default).
+    """
+
+    compute_efficiency: float = 0.55
+    bandwidth_efficiency: float = 0.75
+    memory_scale: float = 1.0
+    memory_offset_bytes: float = 0.0
+    latency_s: float = 2e-5
+    trials_used: int = 0
+
+
+# Priors: bf16 training on current GPUs reaches about 55% of peak and NCCL about 75% of
+# link speed; the CPU runtime's small ops reach about half of a calibration GEMM's
+# speed, and a gloo collective costs about 100 us.
+_PRIORS = {"cuda": Calibration(), "cpu": Calibration(compute_efficiency=0.5, bandwidth_efficiency=0.5, latency_s=1e-4)}
+
+
+def default_calibration(device: str) -> Calibration:
+    if device not in DEVICES:
+        raise UsageError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
+    return _PRIORS[device]
+
+
+@dataclass
+class Estimate:
+    """One layout, priced: memory of its worst rank, and its step time.
+
+    Fields named as a trial's (step_time_s, tokens_per_s, mfu, peak_mem_bytes) mean
+    what the trial's mean; the time fields are NaN when the hardware's peak FLOP/s is
+    unknown."""
+
+    layout: Layout
+    peak_mem_bytes: float  # worst rank
+    memory: dict[str, float]  # the worst rank at its peak, by term; sums to peak_mem_bytes:
+    # params, grads, optimizer, optimizer_temp, activations, fsdp_buffers, logits, overhead
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    comm_fraction: float  # exposed communication / step time (a trial's exposed_comm_fraction)
+    bubble_fraction: float  # pipeline idle time / step time
+    fits: bool  # peak_mem_bytes <= budget (True when there is no budget)
+    memory_budget_bytes: float | None = None
+    device: str = "cuda"
+    worst_pp_rank: int = 0
+    peak_phase: str = "loss_backward"  # or "layer_backward", "optimizer_step": see estimate_memory.rank_memory
+    grad_accum: int = 1
+    tokens_per_s_per_gpu: float = 0.0
+    compute_s: float = 0.0  # busy time of the slowest pipeline rank, its TP/CP/EP communication included
+    bubble_s: float = 0.0
+    total_comm_fraction: float = 0.0  # all communication, hidden or not / step time (a trial's comm_fraction)
+    comm_s: dict[str, float] = field(default_factory=dict)  # per dimension, all of it
+    exposed_comm_s: dict[str, float] = field(default_factory=dict)  # per dimension, on the critical path
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the layout as its string, unknown (NaN) figures as None."""
+        out = {k: _json_safe(v) for k, v in dataclasses.asdict(self).items()}
+        out["layout"] = str(self.layout)
+        out["layout_short"] = self.layout.short()
+        return out
+
+
+def _json_safe(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memory_budget_bytes: float | None = None,
+             calibration: Calibration | None = None, device: str = "cuda") -> Estimate:
+    """Price one layout (valid: see layout.check) of `model` on `hardware`.
+
+    `device` selects the runtime's precision: "cpu" fp32 everywhere, "cuda" the
+    model's dtype on fp32 masters. Time needs hardware.peak_tflops; where it is 0 (the
+    CPU preset: measured at run time) the time fields are NaN and memory is still
+    estimated.
+    """
+    cal = calibration or default_calibration(device)
+    shapes = [rank_shape(model, layout, rank) for rank in pipeline_ranks(layout)]
+    peak, worst_rank, phase, memory = -1.0, 0, "", {}
+    for shape in shapes:
+        for rank_phase, terms in rank_memory(model, layout, device, shape).items():
+            total = sum(terms.values())
+            if total > peak:
+                peak, worst_rank, phase, memory = total, shape.rank, rank_phase, terms
+    if cal.memory_scale != 1.0 or cal.memory_offset_bytes:
+        memory = {term: cal.memory_scale * b for term, b in memory.items()}
+        memory["overhead"] += cal.memory_offset_bytes
+        peak = sum(memory.values())
+    fits = memory_budget_bytes is None or peak <= memory_budget_bytes
+    common = dict(layout=layout, peak_mem_bytes=peak, memory=memory, fits=fits, memory_budget_bytes=memory_budget_bytes,
+                  device=device, worst_pp_rank=worst_rank, peak_phase=phase, grad_accum=layout.grad_accum(model))
+    if not hardware.peak_tflops:
+        nan = math.nan
+        return Estimate(step_time_s=nan, tokens_per_s=nan, mfu=nan, comm_fraction=nan, bubble_fraction=nan,
+                        tokens_per_s_per_gpu=nan, compute_s=nan, bubble_s=nan, total_comm_fraction=nan, **common)
+    peak_flops = hardware.peak_tflops * 1e12
+    links = Links(hardware, cal.bandwidth_efficiency, cal.latency_s)
+    time = step_time(model, layout, links, peak_flops * cal.compute_efficiency, device, shapes)
+    tokens_per_s = model.global_batch_size * model.seq_len / time.step_s
+    # MFU as a trial measures it: model FLOPs per token (no recompute) over the peak.
+    mfu = model_figures(model).flops_per_token * tokens_per_s / (layout.world_size * peak_flops)
+    return Estimate(
+        step_time_s=time.step_s, tokens_per_s=tokens_per_s, mfu=mfu,
+        comm_fraction=sum(time.exposed_comm_s.values()) / time.step_s, bubble_fraction=time.bubble_s / time.step_s,
+        tokens_per_s_per_gpu=tokens_per_s / layout.world_size, compute_s=time.compute_s, bubble_s=time.bubble_s,
+        total_comm_fraction=sum(time.comm_s.values()) / time.step_s, comm_s=time.comm_s,
+        exposed_comm_s=time.exposed_comm_s, **common)
+
+
+# -- calibration from measured trials ------------------------------------------------------------
+
+def calibrate(measured: list[tuple[Layout, dict]], model: ModelConfig, hardware: HardwareConfig,
+              device: str = "cuda") -> Calibration:
+    """Fit the factors to trials measured in a study, so predictions improve as it runs.
+
+    `measured`: (layout, trial JSON) pairs; the complete ones count, and those pruned
+    as comm_bound (their figures are kept). Each time factor is the prior times the
+    median over trials of predicted / measured time, which one outlier cannot drag:
+      compute_efficiency:   time not spent communicating, step_time_s * (1 - exposed_comm_fraction)
+      bandwidth_efficiency: time spent communicating, step_time_s * comm_fraction
+    Memory is the least-squares line measured = scale * predicted + offset over
+    peak_mem_bytes (a median ratio when fewer than three predictions spread). A factor
+    without usable trials keeps its prior.
+    """
+    prior = default_calibration(device)
+    usable = [(layout, t) for layout, t in measured if t.get("status") == "complete" or t.get("reason") == "comm_bound"]
+    compute_ratios, bandwidth_ratios, memory_points = [], [], []
+    for layout, trial in usable:
+        predicted = estimate(model, layout, hardware, calibration=prior, device=device)
+        step = trial.get("step_time_s")
+        if step and not math.isnan(predicted.step_time_s):
+            computing = predicted.compute_s + predicted.bubble_s - sum(
+                predicted.exposed_comm_s.get(dim, 0.0) for dim in ("tp", "cp", "ep"))
+            measured_computing = step * (1 - (trial.get("exposed_comm_fraction") or 0.0))
+            if computing > 0 and measured_computing > 0:
+                compute_ratios.append(computing / measured_computing)
+            communicating = sum(predicted.comm_s.values())
+            measured_communicating = step * (trial.get("comm_fraction") or 0.0)
+            if communicating > 0 and measured_communicating > 0:
+                bandwidth_ratios.append(communicating / measured_communicating)
+        if trial.get("peak_mem_bytes"):
+            memory_points.append((predicted.peak_mem_bytes, float(trial["peak_mem_bytes"])))
+    scale, offset = _fit_line(memory_points)
+    return Calibration(
+        compute_efficiency=prior.compute_efficiency * statistics.median(compute_ratios)
+        if compute_ratios else prior.compute_efficiency,
+        bandwidth_efficiency=prior.bandwidth_efficiency * statistics.median(bandwidth_ratios)
+        if bandwidth_ratios else prior.bandwidth_efficiency,
+        memory_scale=scale, memory_offset_bytes=offset, latency_s=prior.latency_s, trials_used=len(usable))
+
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(scale, offset) with measured = scale * predicted + offset."""
+    if not points:
+        return 1.0, 0.0
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if len(points) < 3 or spread <= len(points) * (0.05 * mean_x) ** 2:
+        return statistics.median(y / x for x, y in points), 0.0
+    scale = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return scale, mean_y - scale * mean_x
+
+
+# -- every layout of a space ---------------------------------------------------------------------
+
+def reasonable_space(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[dict]:
+    """Sub-spaces covering every dimension, each with schedules and vpp that agree (so
+    few combinations are built only to be rejected): tp, pp, cp and ep powers of two
+    within their limits (tp in a node, cp at most 16), dp_shard = dp or one node (HSDP),
+    zero 0-3, mbs 1, 2, 4, every recompute mode, sp on and off."""
+    def powers(limit: int) -> list[int]:
+        return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+    base = {"tp": powers(min(gpus, gpus_per_node)), "pp": powers(min(gpus, model.num_layers)),
+            "cp": powers(min(gpus, 16, model.seq_len // 2)),
+            "ep": powers(min(gpus, model.moe.num_experts)) if model.moe else [1],
+            "dp_shard": ["dp"] + ([gpus_per_node] if gpus_per_node < gpus else []),
+            "zero": [0, 1, 2, 3], "mbs": [1, 2, 4], "recompute": ["none", "selective", "full"], "sp": [0, 1]}
+    pipelined = [p for p in base["pp"] if p > 1]
+    return [{**base, "schedule": ["1f1b", "gpipe"], "vpp": [1]},
+            {**base, "pp": pipelined, "schedule": ["interleaved_1f1b", "zero_bubble"], "vpp": [2, 4]},
+            {**base, "pp": pipelined, "schedule": ["zbv", "dualpipev"], "vpp": [2]}]
+
+
+def valid_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, spaces: list[dict] | None = None) -> list[Layout]:
+    """Every valid layout of the spaces (default: `reasonable_space`), each once."""
+    layouts: dict[Layout, None] = {}
+    for space in spaces or reasonable_space(model, gpus, gpus_per_node):
+        layouts.update(dict.fromkeys(enumerate_layouts(model, gpus, space, gpus_per_node)))
+    return list(layouts)
+
+
+def rank_estimates(estimates: list[Estimate]) -> list[Estimate]:
+    """Layouts that fit first, then the predicted OOMs; each by predicted tokens/s,
+    fastest first (by peak memory where time is unknown)."""
+    def key(e: Estimate):
+        return (not e.fits, -(0.0 if math.isnan(e.tokens_per_s) else e.tokens_per_s), e.peak_mem_bytes)
+    return sorted(estimates, key=key)
+
+
+def budget_bytes(hardware: HardwareConfig, memory_budget_gb: float | None) -> float | None:
+    """--memory-budget-gb, else the hardware's memory, else none (the CPU preset)."""
+    if memory_budget_gb is not None:
+        return memory_budget_gb * GIB
+    return hardware.memory_gb * GIB if hardware.memory_gb else None

@@ -1,0 +1,428 @@
+"""Peak memory of one rank for a layout: what our runtime keeps, term by term.
+
+Precision (`device`): on the CPU everything is fp32 (parameters are their own
+masters, AdamW keeps two fp32 states, activations fp32); on CUDA parameters,
+gradients and AdamW states are fp32, compute runs in the model's dtype (bf16) on a
+working copy of the parameters (FSDP2 mixed precision) and gradients are reduced in
+fp32: 4 + 4 + 8 = 16 bytes per parameter before sharding, plus the working copy.
+
+The peak is the largest of three moments of a step (see rank_memory):
+- the loss's backward: every in-flight activation held and cross_entropy's
+  vocabulary-sized fp32 buffers alive;
+- the last layer's backward: the loss's buffers freed, SwiGLU's gradients alive;
+- the optimizer step: gradients complete, AdamW's temporaries.
+From the second micro-batch on, the backward moments also hold FSDP2's unsharded fp32
+gradients, since the trainer syncs gradients on the last micro-batch only.
+
+Activations are the tensors autograd saves, itemised per layer for our Llama block
+in the accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models"): the same items with the paper's GPT block give its
+sbh(34 + 5as/h), and its TP, SP and recompute adjustments. Against the CPU runtime
+(benchmarks/estimator_accuracy.md) the peak is within a few hundred bytes of the
+measured bytes of live tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from autotune.config import ModelConfig
+from autotune.errors import UsageError
+from autotune.layout import V_SCHEDULES, Layout
+
+DEVICES = ("cpu", "cuda")
+# Bytes the CUDA allocator hands out besides the model's tensors: cuBLAS workspaces and
+# small buffers. The CUDA context and NCCL's buffers are outside the allocator, as they
+# are outside the measured peak (the allocator's statistics).
+CUDA_FIXED_OVERHEAD_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor the runtime keeps."""
+
+    master: int  # parameters as the optimizer sees them
+    grad: int  # gradients, reduced and accumulated
+    optimizer: int  # AdamW exp_avg + exp_avg_sq
+    compute: int  # activations and the working copy of the parameters
+
+
+# CPU trials run fp32 everywhere, no mixed precision; CUDA computes in the model's dtype.
+_PRECISIONS = {("cpu", "bf16"): Precision(master=4, grad=4, optimizer=8, compute=4),
+               ("cpu", "fp32"): Precision(master=4, grad=4, optimizer=8, compute=4),
+               ("cuda", "bf16"): Precision(master=4, grad=4, optimizer=8, compute=2),
+               ("cuda", "fp32"): Precision(master=4, grad=4, optimizer=8, compute=4)}
+
+
+def precision(model: ModelConfig, device: str) -> Precision:
+    if device not in DEVICES:
+        raise UsageError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
+    return _PRECISIONS[device, model.dtype]
+
+
+# -- activations: what autograd saves, per token of a micro-batch ------------------------------
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor autograd keeps for the backward pass, counted per token.
+
+    `split` says how tensor parallel divides it: "tp" always (heads, MLP columns);
+    "sp" only with sequence parallel (the residual stream and norms); "full" never
+    (the all-gathered input that a column-parallel linear saves under torch's
+    sequence parallel). `core` marks the attention core (split by tp: it works on
+    heads), which selective recompute drops.
+    """
+
+    name: str
+    elements: float
+    bytes: float
+    split: str
+    core: bool = False
+
+
+def norm_saved_tensors(model: ModelConfig, compute: int, where: str) -> list[Saved]:
+    """RMSNorm (runtime/model.py) upcasts to fp32: `x.float()` is saved by pow and mul,
+    with the rsqrt [tokens, 1]; the normalized tensor is saved by `* weight`; the norm's
+    output is the input the following linears save, all-gathered first under sequence
+    parallel (torch's SequenceParallel), so it is never split."""
+    h = model.hidden_size
+    return [Saved(f"{where} norm input (fp32)", h, 4, "sp"),
+            Saved(f"{where} norm rsqrt", 1, 4, "sp"),
+            Saved(f"{where} normalized", h, compute, "sp"),
+            Saved(f"{where} input (norm output)", h, compute, "full")]
+
+
+def block_saved_tensors(model: ModelConfig, moe: bool, compute: int) -> list[Saved]:
+    """The runtime's Block (runtime/model.py), item by item.
+
+    Attention: RoPE saves only its cos/sin tables (counted per layer, not per token);
+    fused SDPA saves q and k after RoPE, v, its output (also wo's input) and the fp32
+    log-sum-exp, never seq x seq scores. SwiGLU saves gate, silu(gate), up and their
+    product. An MoE block saves the router's probabilities, the tokens dispatched to
+    their top-k experts, the experts' SwiGLU tensors and their outputs.
+    """
+    h = model.hidden_size
+    q = model.num_heads * model.head_dim
+    kv = model.num_kv_heads * model.head_dim
+    attention = [Saved("q after rope", q, compute, "tp"), Saved("k after rope", kv, compute, "tp"),
+                 Saved("v", kv, compute, "tp"), Saved("attention output", q, compute, "tp"),
+                 Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
+    if moe:
+        k, ef = model.moe.top_k, model.moe.expert_ffn_hidden_size
+        mlp = [Saved("router probabilities", model.moe.num_experts, 4, "full"),
+               Saved("dispatched tokens", k * h, compute, "full"),
+               Saved("expert gate, silu, up, product", 4 * k * ef, compute, "tp"),
+               Saved("expert outputs", k * h, compute, "full")]
+        if model.moe.num_shared_experts:
+            mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "tp"))
+    else:
+        mlp = [Saved("mlp gate, silu, up, product", 4 * model.ffn_hidden_size, compute, "tp")]
+    return (norm_saved_tensors(model, compute, "attention") + attention
+            + norm_saved_tensors(model, compute, "mlp") + mlp)
+
+
+@dataclass(frozen=True)
+class SavedTotals:
+    """Bytes per token of a list of saved tensors, by how tensor parallel splits them."""
+
+    tp: float
+    sp: float
+    full: float
+    core: float  # the part of `tp` that belongs to the attention core
+
+    @classmethod
+    def of(cls, items: list[Saved]) -> "SavedTotals":
+        sums = {"tp": 0.0, "sp": 0.0, "full": 0.0}
+        for item in items:
+            sums[item.split] += item.elements * item.bytes
+        return cls(core=sum(i.elements * i.bytes for i in items if i.core), **sums)
+
+
+def saved_bytes_per_token(saved: SavedTotals, tp: int, sp: bool, recompute: str, block_input: float) -> float:
+    """Bytes one layer keeps per token of a micro-batch until its backward.
+
+    none: every item; selective: the attention core's items dropped (recomputed);
+    full: only the block's input (`block_input` bytes per token, split like the
+    residual stream: by tp under sequence parallel), the block being recomputed.
+    """
+    if recompute == "full":
+        return block_input / tp if sp else block_input
+    core = saved.core if recompute == "selective" else 0.0
+    return (saved.tp - core) / tp + (saved.sp / tp if sp else saved.sp) + saved.full
+
+
+# -- what each pipeline rank holds -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """Per-model numbers read for every layout, computed once per model."""
+
+    attention: float  # parameters of one layer's attention
+    dense_mlp: float
+    moe_dense: float  # router and shared experts of an MoE layer (not split by ep)
+    moe_routed: float  # every routed expert of an MoE layer
+    moe_active: float  # MoE parameters one token passes through (router, top-k, shared)
+    moe_before: tuple[int, ...]  # moe_before[i]: MoE layers among layers 0..i-1
+    flops_per_token: float
+    saved: dict  # (moe layer?, compute bytes) -> SavedTotals of a block
+    final_norm: dict  # compute bytes -> SavedTotals of the final norm
+    shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, ep, rank) -> RankShape
+
+
+_FIGURES: dict[int, tuple[ModelConfig, ModelFigures]] = {}
+
+
+def model_figures(model: ModelConfig) -> ModelFigures:
+    cached = _FIGURES.get(id(model))
+    if cached and cached[0] is model:
+        return cached[1]
+    moe_before = [0]
+    for layer in range(model.num_layers):
+        moe_before.append(moe_before[-1] + model.is_moe_layer(layer))
+    moe = model.moe
+    router = model.hidden_size * moe.num_experts if moe else 0
+    figures = ModelFigures(
+        attention=model.attention_params(), dense_mlp=model.dense_mlp_params(),
+        moe_dense=router + moe.num_shared_experts * model.expert_params() if moe else 0,
+        moe_routed=moe.num_experts * model.expert_params() if moe else 0,
+        moe_active=router + (moe.top_k + moe.num_shared_experts) * model.expert_params() if moe else 0,
+        moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
+        saved={(is_moe, c): SavedTotals.of(block_saved_tensors(model, is_moe, c))
+               for is_moe in ((False, True) if moe else (False,)) for c in (2, 4)},
+        final_norm={c: SavedTotals.of(norm_saved_tensors(model, c, "final")) for c in (2, 4)}, shapes={})
+    if len(_FIGURES) > 64:
+        _FIGURES.clear()
+    _FIGURES[id(model)] = (model, figures)
+    return figures
+
+
+def stage_chunks(layout: Layout) -> int:
+    """Pipeline stages (chunks of layers) each rank holds."""
+    return layout.vpp if layout.pp > 1 else 1
+
+
+def rank_stage_ids(layout: Layout, rank: int) -> tuple[int, ...]:
+    """Looped schedules put stages rank, rank+pp, ... on a rank; V schedules rank and
+    2*pp-1-rank, so that rank 0 holds both the first and the last stage."""
+    if layout.pp > 1 and layout.schedule in V_SCHEDULES:
+        return (rank, 2 * layout.pp - 1 - rank)
+    return tuple(rank + k * layout.pp for k in range(stage_chunks(layout)))
+
+
+def pipeline_ranks(layout: Layout) -> tuple[int, ...]:
+    """The pipeline ranks that can be the worst: the first and the last. The others hold
+    no embedding or head, and the micro-batches in flight fall (or rise) monotonically
+    from one end to the other in every schedule."""
+    return (0,) if layout.pp == 1 else (0, layout.pp - 1)
+
+
+class RankShape(NamedTuple):
+    """What one pipeline rank holds: its layers, and its parameters after tensor and
+    expert parallel, before FSDP shards them.
+
+    TP splits q/k/v/o, gate/up/down, the embedding and the head by tp (Megatron's
+    column/row plan, vocabulary-parallel embedding and head); norms and the router stay
+    whole on every tp rank. EP gives each rank num_experts/ep routed experts, also split
+    by tp. The runtime never ties the head to the embedding, so both count.
+    """
+
+    rank: int
+    layers: int
+    moe_layers: int
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm and the head
+    dense_params: float  # FSDP shards these over dp_shard*cp
+    expert_params: float  # ... and these over dp_shard*cp/ep
+    root_params: float  # embedding, final norm, head: FSDP's root module
+    largest_block: float
+    largest_tensor: float
+
+
+def rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
+    fig = model_figures(model)
+    key = (layout.pp, stage_chunks(layout), layout.schedule in V_SCHEDULES, layout.tp, layout.ep, rank)
+    shape = fig.shapes.get(key)
+    if shape is None:
+        shape = fig.shapes[key] = _rank_shape(model, layout, rank)
+    return shape
+
+
+def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
+    fig, tp, h = model_figures(model), layout.tp, model.hidden_size
+    stages = rank_stage_ids(layout, rank)
+    per_stage = model.num_layers // (layout.pp * stage_chunks(layout))
+    moe_layers = sum(fig.moe_before[(s + 1) * per_stage] - fig.moe_before[s * per_stage] for s in stages)
+    layers = per_stage * len(stages)
+    first, last = 0 in stages, layout.pp * stage_chunks(layout) - 1 in stages
+
+    dense_block = fig.attention / tp + 2 * h + fig.dense_mlp / tp
+    moe_block = fig.attention / tp + 2 * h + fig.moe_dense / tp
+    moe_experts = fig.moe_routed / layout.ep / tp
+    embedding = model.embedding_params() / tp
+    root = (embedding if first else 0.0) + (h + embedding if last else 0.0)
+    dense_layers = layers - moe_layers
+    ffn = max(model.ffn_hidden_size, model.moe.expert_ffn_hidden_size if model.moe else 0)
+    return RankShape(
+        rank=rank, layers=layers, moe_layers=moe_layers, first=first, last=last,
+        dense_params=dense_layers * dense_block + moe_layers * moe_block + root,
+        expert_params=moe_layers * moe_experts, root_params=root,
+        largest_block=max(dense_block if dense_layers else 0.0, moe_block + moe_experts if moe_layers else 0.0),
+        largest_tensor=max(embedding if root else 0.0, h * ffn / tp))
+
+
+# -- pipeline schedules ---------------------------------------------------------------------------
+
+def chunks_in_flight(layout: Layout, microbatches: int, rank: int) -> int:
+    """Most (stage, micro-batch) forward results a pipeline rank holds at once.
+
+    Counted from torch.distributed.pipelining's action lists (a forward adds one, the
+    backward that frees it, for split backwards the weight step, removes it):
+      gpipe            m                        (all forwards, then all backwards)
+      1f1b             min(pp - rank, m)
+      interleaved_1f1b min((v-1)*r + 2*(pp-1-rank) + 1, m*v),  r = m // max(1, m // pp)
+      zero_bubble      min((v-1)*r + pp, m*v)   (weight steps lag: equal on every rank)
+      zbv              min(2*pp, m + 1 + rank, 2*m)
+      dualpipev        2*pp + 1                 (torch needs m >= 2*pp)
+    """
+    pp, m, v, schedule = layout.pp, microbatches, stage_chunks(layout), layout.schedule
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(pp - rank, m)
+    per_round = m // max(1, m // pp)
+    if schedule == "interleaved_1f1b":
+        return min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, m * v)
+    if schedule == "zero_bubble":
+        return min((v - 1) * per_round + pp, m * v)
+    if schedule == "zbv":
+        return min(2 * pp, m + 1 + rank, 2 * m)
+    return min(2 * pp + 1, 2 * m)  # dualpipev
+
+
+def reshards_after_forward(layout: Layout) -> bool:
+    """zero 3 frees each block's gathered parameters after its forward, except under PP,
+    where the runtime keeps them (FSDP2 reshard_after_forward=False) as zero 2 does."""
+    return layout.zero == 3 and layout.pp == 1
+
+
+# -- the candidate peaks --------------------------------------------------------------------------
+
+def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShape) -> dict[str, dict[str, float]]:
+    """Bytes a pipeline rank holds at each candidate peak, by term: {phase: {term:
+    bytes}} for the phases loss_backward (the rank with the head), layer_backward and
+    optimizer_step; the largest is the rank's peak."""
+    prec = precision(model, device)
+    m = layout.grad_accum(model)
+    total = shape.dense_params + shape.expert_params
+    dense_shard = layout.dp_shard * layout.cp if layout.zero >= 1 else 1
+    expert_shard = max(1, dense_shard // layout.ep)
+    sharded = shape.dense_params / dense_shard + shape.expert_params / expert_shard
+
+    # State after a step; FSDP shards dense parameters over dp_shard*cp, experts over
+    # dp_shard*cp/ep:  zero 0 nothing;  zero 1 AdamW states;  zero 2 gradients and
+    # states;  zero 3 parameters too.
+    param_bytes = prec.master * (sharded if layout.zero >= 2 else total)
+    optim_bytes = prec.optimizer * (sharded if layout.zero >= 1 else total)
+    grads_after_step = prec.grad * (sharded if layout.zero >= 2 else total)
+
+    # FSDP2's unsharded working copy in the compute dtype. The runtime wraps the model
+    # only when dp*cp > 1; replicate (zero 0/1) then keeps the copy for good, zero 2
+    # gathers it for forward and backward, zero 3 holds the root module, the block in
+    # use and the one prefetched. On CUDA a bf16 copy exists whatever the layout.
+    if reshards_after_forward(layout):
+        working = prec.compute * (shape.root_params + 2 * shape.largest_block)
+    elif layout.dp * layout.cp > 1 or prec.compute != prec.master:
+        working = prec.compute * total
+    else:
+        working = 0.0
+
+    chunks = chunks_in_flight(layout, m, shape.rank)
+    # Between micro-batches FSDP2 keeps unsharded fp32 gradients (the trainer syncs on the
+    # last micro-batch only); a backward reaches its peak with them only if an earlier
+    # backward ran in this step.
+    grads_at_backward = prec.grad * total if m * stage_chunks(layout) > chunks else 0.0
+
+    # Token ids on the device: inputs and labels of every micro-batch of the step.
+    rows = layout.mbs * m
+    overhead = 8 * (model.seq_len + 1) * rows if device == "cpu" else \
+        16 * model.seq_len * rows + CUDA_FIXED_OVERHEAD_BYTES
+
+    # AdamW's temporaries: the foreach kernels (CUDA) build sqrt(exp_avg_sq) for every
+    # local tensor at once; the CPU's single-tensor loop makes two of one tensor at a time.
+    if device == "cuda":
+        temp = 4 * (sharded if layout.zero >= 1 else total)
+    else:
+        temp = 2 * 4 * shape.largest_tensor / dense_shard
+    # By the last layer's backward the head has its gradients, if none were there yet.
+    head_grads = prec.grad * (model.hidden_size + model.embedding_params() / layout.tp) if shape.last else 0.0
+    phases = {}
+    for phase, (activations, logits) in _backward_peaks(model, layout, prec, shape, chunks,
+                                                         accumulating=grads_at_backward > 0).items():
+        grads = grads_at_backward or (head_grads if phase == "layer_backward" else 0.0)
+        phases[phase] = {"params": param_bytes, "grads": grads, "optimizer": optim_bytes,
+                         "optimizer_temp": 0.0, "activations": activations, "fsdp_buffers": working,
+                         "logits": logits, "overhead": overhead}
+    phases["optimizer_step"] = {"params": param_bytes, "grads": grads_after_step, "optimizer": optim_bytes,
+                                "optimizer_temp": temp, "activations": 0.0,
+                                "fsdp_buffers": working if layout.zero <= 1 else 0.0, "logits": 0.0,
+                                "overhead": overhead}
+    return phases
+
+
+def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape,
+                    chunks: int, accumulating: bool) -> dict[str, tuple[float, float]]:
+    """(activations, loss buffers) of a pipeline rank at the peaks of a backward pass,
+    with `chunks` (stage, micro-batch) forwards in flight:
+
+    loss_backward (the rank with the head): every activation saved, and cross_entropy's
+      buffers. It runs on fp32 logits (split by tp under loss_parallel): log_softmax
+      saves its fp32 output, and its backward holds that, the incoming gradient and its
+      result at once, 12 bytes per token and vocabulary entry.
+    layer_backward: the head's buffers freed, the last layer's SwiGLU backward holds the
+      incoming gradient, then the down projection's weight gradient and the product's
+      gradient (tokens x ffn), then two tokens x ffn gradients more than the tensors it
+      frees. With gradients `accumulating` from earlier micro-batches the fresh weight
+      gradient is a temporary that AccumulateGrad adds and frees at once; without, it
+      becomes .grad and stays. Recompute rebuilds that layer first.
+    Under PP, micro-batches whose backward has not started keep their log_softmax output
+    and the stage's logits on the last stage.
+    """
+    fig = model_figures(model)
+    tokens = layout.mbs * model.seq_len / layout.cp  # local tokens of one micro-batch
+    sp, tp, c, h = bool(layout.sp), layout.tp, prec.compute, model.hidden_size
+    block_input = h * c  # saved by full recompute's checkpoint
+
+    def per_token(recompute: str) -> float:  # all of the rank's layers, one micro-batch
+        dense = shape.layers - shape.moe_layers
+        total = dense * saved_bytes_per_token(fig.saved[False, c], tp, sp, recompute, block_input) if dense else 0.0
+        if shape.moe_layers:
+            total += shape.moe_layers * saved_bytes_per_token(fig.saved[True, c], tp, sp, recompute, block_input)
+        return total
+
+    kept = per_token(layout.recompute)
+    # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch.
+    rope = 0.0 if layout.recompute == "full" else shape.layers * model.seq_len / layout.cp * model.head_dim * 4
+    stored = chunks * (tokens * kept + rope) / stage_chunks(layout)
+    if layout.pp > 1:  # the schedule keeps each in-flight stage's input and output
+        stored += chunks * tokens * 2 * h * c / (tp if sp else 1)
+
+    recomputed = tokens * (per_token("none") - kept) / shape.layers
+    if shape.moe_layers == shape.layers:
+        ffn, weight = model.moe.top_k * model.moe.expert_ffn_hidden_size, model.moe.expert_ffn_hidden_size
+    else:
+        ffn = weight = model.ffn_hidden_size
+    incoming, ffn_grad, weight_grad = tokens * h / (tp if sp else 1) * c, tokens * ffn / tp * c, h * weight / tp * prec.grad
+    if accumulating:
+        swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
+    else:
+        swiglu = incoming + weight_grad + 2 * ffn_grad
+    waiting = max(1, chunks // stage_chunks(layout)) - 1 if shape.last else 0
+    saved_logits = tokens * model.vocab_size / tp * waiting * (4 + c)
+    peaks = {"layer_backward": (stored + recomputed + swiglu, saved_logits)}
+    if shape.last:
+        final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input)
+        peaks["loss_backward"] = (stored + final_norm, saved_logits + tokens * model.vocab_size / tp * 12)
+    return peaks

@@ -1,0 +1,278 @@
+"""Step time of a layout: compute from FLOPs, communication from volumes and links,
+the pipeline bubble per schedule.
+
+    step = m * (F + B + W) of the slowest pipeline rank + bubble + exposed DP and PP communication
+
+F, B and W are one micro-batch's forward, input-gradient and weight-gradient work on
+that rank, TP, EP and CP communication on the critical path included. Overlap
+assumptions: TP and EP collectives are never hidden; CP's KV ring hides behind the
+attention core it feeds; the DP gradient reduction (once per step, on the last
+micro-batch) hides behind that micro-batch's backward but for the last layer's
+share; FSDP's all-gathers hide behind the compute they prefetch for; ZeRO-1's
+all-gather of updated parameters follows the optimizer step; pipeline transfers cost
+one hop per micro-batch and stage each way. The optimizer step (memory-bound) is not
+counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from autotune.config import HardwareConfig, ModelConfig
+from autotune.estimate_memory import (RankShape, model_figures, precision, reshards_after_forward,
+                                      stage_chunks)
+from autotune.layout import Layout
+
+
+# -- links ------------------------------------------------------------------------------------
+
+class Group(NamedTuple):
+    """A communicator: its size and the mesh stride between its members.
+
+    The mesh is pp, dp_replicate, dp_shard, cp, tp with tp innermost, so a tp group is
+    neighbouring ranks and a pp group's members are dp*cp*tp apart."""
+
+    size: int
+    stride: int
+
+    def inside_node(self, gpus_per_node: int) -> bool:
+        span = self.size * self.stride
+        return span <= gpus_per_node and gpus_per_node % span == 0
+
+    def members_per_node(self, gpus_per_node: int) -> int:
+        if self.inside_node(gpus_per_node):
+            return self.size
+        return max(1, gpus_per_node // self.stride) if gpus_per_node % self.stride == 0 else 1
+
+
+def mesh_groups(layout: Layout) -> dict[str, Group]:
+    tp, cp, ds, dp, ep = layout.tp, layout.cp, layout.dp_shard, layout.dp, layout.ep
+    return {
+        "tp": Group(tp, 1),
+        "cp": Group(cp, tp),
+        "ep": Group(ep, tp),  # carved from the inner end of dp_shard x cp
+        "dp_shard_cp": Group(ds * cp, tp),  # FSDP sharding of dense parameters
+        "expert_shard": Group(max(1, ds * cp // ep), tp * ep),  # FSDP sharding of experts
+        "dp_replicate": Group(layout.dp_replicate, ds * cp * tp),
+        "dp_cp": Group(dp * cp, tp),  # gradient all-reduce of dense parameters (zero 0)
+        "expert_dp": Group(max(1, dp * cp // ep), tp * ep),  # ... and of experts
+        "pp": Group(layout.pp, dp * cp * tp),
+    }
+
+
+class Links(NamedTuple):
+    """Transfer times on `hardware`, scaled by the achieved fraction of link bandwidth
+    plus a fixed latency per operation."""
+
+    hardware: HardwareConfig
+    bandwidth_efficiency: float
+    latency_s: float
+
+    def ring_bandwidth(self, group: Group) -> float:
+        """Bytes/s a ring collective moves per rank. Inside a node: NVLink. Across nodes
+        every member drives its own NIC and NCCL runs a ring per NIC, so k members per
+        node get k NICs' worth (never more than NVLink)."""
+        hw = self.hardware
+        gbps = hw.intra_node_gbps if group.inside_node(hw.gpus_per_node) else \
+            min(hw.intra_node_gbps, hw.inter_node_gbps * group.members_per_node(hw.gpus_per_node))
+        return gbps * 1e9 * self.bandwidth_efficiency
+
+    def all_reduce(self, nbytes: float, group: Group) -> float:
+        """Ring all-reduce: 2(n-1)/n of the buffer crosses each rank's link."""
+        n = group.size
+        return 0.0 if n == 1 or not nbytes else \
+            2 * (n - 1) / n * nbytes / self.ring_bandwidth(group) + self.latency_s
+
+    def gather_or_scatter(self, nbytes: float, group: Group) -> float:
+        """All-gather or reduce-scatter; `nbytes` is the full (unsharded) size."""
+        n = group.size
+        return 0.0 if n == 1 or not nbytes else (n - 1) / n * nbytes / self.ring_bandwidth(group) + self.latency_s
+
+    def all_to_all(self, nbytes: float, group: Group) -> float:
+        """`nbytes` per rank spread evenly over the group: the share for peers on this
+        node goes over NVLink, the rest over this GPU's own NIC, both at once."""
+        n = group.size
+        if n == 1 or not nbytes:
+            return 0.0
+        hw = self.hardware
+        local = group.members_per_node(hw.gpus_per_node)
+        eff = self.bandwidth_efficiency
+        return max(nbytes * (local - 1) / n / (hw.intra_node_gbps * 1e9 * eff),
+                   nbytes * (n - local) / n / (hw.inter_node_gbps * 1e9 * eff)) + self.latency_s
+
+    def p2p(self, nbytes: float, group: Group) -> float:
+        """One transfer between neighbours of the group."""
+        if group.size == 1 or not nbytes:
+            return 0.0
+        hw = self.hardware
+        gbps = hw.intra_node_gbps if group.inside_node(hw.gpus_per_node) else hw.inter_node_gbps
+        return nbytes / (gbps * 1e9 * self.bandwidth_efficiency) + self.latency_s
+
+
+# -- pipeline bubble --------------------------------------------------------------------------
+
+def bubble_time(layout: Layout, forward: float, backward_input: float, backward_weight: float) -> float:
+    """Idle time of a pipeline rank per step, from one chunk's (a stage divided by vpp)
+    forward F, input-gradient B (recompute included) and weight-gradient W times:
+
+      gpipe, 1f1b, interleaved_1f1b  (pp-1)(F+B+W)  -> fraction (pp-1)/(v*m+pp-1)
+      zero_bubble (ZB-H1)            (pp-1)(F+B-W)
+      zbv (ZB-V)                     (pp-1)(F+B-2W)
+      dualpipev                      (pp-1)(F&B+B_full-3W) = (pp-1)(F+2B-W)
+
+    (DualPipe's F&B overlaps a forward with a backward to hide communication, not
+    compute, so it costs F+B_full.) Zero-bubble schedules reach zero only when B = W;
+    the attention core's backward and recompute make B the larger.
+    """
+    if layout.pp == 1:
+        return 0.0
+    f, b, w = forward, backward_input, backward_weight
+    per_hop = {"gpipe": f + b + w, "1f1b": f + b + w, "interleaved_1f1b": f + b + w,
+               "zero_bubble": f + b - w, "zbv": f + b - 2 * w, "dualpipev": f + 2 * b - w}[layout.schedule]
+    return (layout.pp - 1) * max(per_hop, 0.0)
+
+
+# -- one micro-batch ---------------------------------------------------------------------------
+
+@dataclass
+class MicrobatchWork:
+    """Seconds a pipeline rank spends on one micro-batch: forward, input-gradient and
+    weight-gradient work with the communication on their critical path, and per
+    dimension that communication (`critical`) and all of it (`total`)."""
+
+    forward: float = 0.0
+    backward_input: float = 0.0
+    backward_weight: float = 0.0
+    critical: dict = field(default_factory=dict)
+    total: dict = field(default_factory=dict)
+
+    def add(self, times: tuple[float, float, float], count: float = 1) -> None:
+        self.forward += count * times[0]
+        self.backward_input += count * times[1]
+        self.backward_weight += count * times[2]
+
+    def add_comm(self, dim: str, forward: float, backward: float, total: float | None = None) -> None:
+        self.forward += forward
+        self.backward_input += backward
+        self.critical[dim] = self.critical.get(dim, 0.0) + forward + backward
+        self.total[dim] = self.total.get(dim, 0.0) + (forward + backward if total is None else total)
+
+    @property
+    def busy(self) -> float:
+        return self.forward + self.backward_input + self.backward_weight
+
+
+def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per_s: float, compute_bytes: int,
+                     shapes: list[RankShape], groups: dict[str, Group]) -> list[MicrobatchWork]:
+    """One micro-batch's work on each pipeline rank in `shapes`.
+
+    FLOPs as in ModelConfig.flops_per_token (2 per multiply-add; attention scores and
+    values over the full sequence, no causal discount), split forward : input-gradient
+    : weight-gradient = 1 : 1 : 1 for matmuls and 1 : 2 : 0 for the attention core.
+    Recompute adds the forward of what it dropped (full: the block; selective: the
+    core). A rank does 1/tp of the matmuls of its cp-th of the tokens.
+
+    Per layer: TP (+SP) two all-reduces, or two all-gathers and two reduce-scatters,
+    each way (and the forward's again under full recompute); EP a dispatch and a combine
+    all-to-all each way; CP's ring cp-1 KV hops forward, KV and dKV hops backward, each
+    hidden behind the core's work on one of the cp blocks.
+    """
+    fig = model_figures(model)
+    tp, cp, c, h = layout.tp, layout.cp, compute_bytes, model.hidden_size
+    tokens = layout.mbs * model.seq_len / cp
+    act_bytes = tokens * h * c
+    core = 4 * tokens * model.num_heads * model.head_dim * model.seq_len / tp / flops_per_s
+
+    def layer(mlp_params: float) -> tuple[float, float, float]:
+        matmul = 2 * tokens * (fig.attention + mlp_params) / tp / flops_per_s
+        recompute = {"none": 0.0, "selective": core, "full": matmul + core}[layout.recompute]
+        return matmul + core, matmul + 2 * core + recompute, matmul
+
+    dense_layer, moe_layer = layer(fig.dense_mlp), layer(fig.moe_active)
+    head = 2 * tokens * h * model.vocab_size / tp / flops_per_s
+    tp_pass = tp_edge = 0.0
+    if tp > 1:
+        tp_edge = links.all_reduce(act_bytes, groups["tp"])  # embedding forward, head input gradient
+        tp_pass = 4 * links.gather_or_scatter(act_bytes, groups["tp"]) if layout.sp else 2 * tp_edge
+    rerun = layout.recompute != "none"  # both recompute modes rerun the core's forward ring
+    if cp > 1:
+        hop = links.p2p(tokens * 2 * model.num_kv_heads * model.head_dim / tp * c, groups["cp"])
+        cp_forward = (cp - 1) * max(0.0, hop - core / cp)
+        cp_backward = (cp - 1) * max(0.0, 2 * hop - 2 * core / cp) + cp_forward * rerun
+    a2a = 0.0
+    if layout.ep > 1 and model.moe:
+        a2a = links.all_to_all(tokens / (tp if layout.sp else 1) * model.moe.top_k * h * c, groups["ep"])
+
+    works = []
+    for shape in shapes:
+        work, layers = MicrobatchWork(), shape.layers
+        work.add(dense_layer, layers - shape.moe_layers)
+        work.add(moe_layer, shape.moe_layers)
+        if shape.last:
+            work.add((head, head, head))
+        if tp > 1:
+            work.add_comm("tp", layers * tp_pass + tp_edge * shape.first,
+                          layers * tp_pass * (2 if layout.recompute == "full" else 1) + tp_edge * shape.last)
+        if cp > 1:
+            work.add_comm("cp", layers * cp_forward, layers * cp_backward, total=layers * (3 + rerun) * (cp - 1) * hop)
+        if a2a and shape.moe_layers:
+            work.add_comm("ep", 2 * a2a * shape.moe_layers, 2 * a2a * shape.moe_layers)
+        works.append(work)
+    return works
+
+
+# -- the step ----------------------------------------------------------------------------------
+
+class StepTime(NamedTuple):
+    step_s: float
+    compute_s: float  # busy time of the slowest pipeline rank (its critical-path communication included)
+    bubble_s: float
+    comm_s: dict  # per dimension, all of it
+    exposed_comm_s: dict  # per dimension, on the critical path
+
+
+def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: float, device: str,
+              shapes: list[RankShape]) -> StepTime:
+    """`shapes`: what the pipeline ranks that can be the slowest hold (the first, the last)."""
+    prec = precision(model, device)
+    m, v = layout.grad_accum(model), stage_chunks(layout)
+    groups = mesh_groups(layout)
+    work = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes, groups), key=lambda w: w.busy)
+    compute = m * work.busy
+    bubble = bubble_time(layout, work.forward / v, work.backward_input / v, work.backward_weight / v)
+    comm = {dim: m * t for dim, t in work.total.items()}
+    exposed = {dim: m * t for dim, t in work.critical.items()}
+
+    # Data parallel. Gradients in fp32 once per step; zero 0 all-reduces them, zero >= 1
+    # reduce-scatters over the shard group and all-reduces the shard over replicas (HSDP).
+    params = max(shapes, key=lambda s: s.dense_params + s.expert_params)
+    grads, expert_grads = prec.grad * params.dense_params, prec.grad * params.expert_params
+    shard, expert_shard, replicas = groups["dp_shard_cp"], groups["expert_shard"], groups["dp_replicate"]
+    if layout.zero == 0:
+        reduce = links.all_reduce(grads, groups["dp_cp"]) + links.all_reduce(expert_grads, groups["expert_dp"])
+    else:
+        reduce = (links.gather_or_scatter(grads, shard) + links.all_reduce(grads / shard.size, replicas)
+                  + links.gather_or_scatter(expert_grads, expert_shard)
+                  + links.all_reduce(expert_grads / expert_shard.size, replicas))
+    # All-gathers of the working copy: zero 2 once per micro-batch (FSDP2 reshards after
+    # each backward), zero 3 twice (forward and backward); under PP once per step.
+    gathers = 0 if layout.zero < 2 else 1 if layout.pp > 1 else m * (2 if reshards_after_forward(layout) else 1)
+    gather = gathers * (links.gather_or_scatter(prec.compute * params.dense_params, shard)
+                        + links.gather_or_scatter(prec.compute * params.expert_params, expert_shard))
+    layers = max(1, shapes[0].layers)
+    dp_exposed = max(reduce / layers, reduce - work.backward_input - work.backward_weight) if reduce else 0.0
+    dp_exposed += max(gather / layers, gather - compute) if gather else 0.0
+    if layout.zero == 1:  # each rank updated its shard; the shard group gathers them all
+        after_step = links.gather_or_scatter(prec.master * (params.dense_params + params.expert_params), shard)
+        gather += after_step
+        dp_exposed += after_step
+    if reduce + gather:
+        comm["dp"], exposed["dp"] = reduce + gather, dp_exposed
+    if layout.pp > 1:
+        boundary = layout.mbs * model.seq_len / layout.cp * model.hidden_size * prec.compute
+        boundary /= layout.tp if layout.sp else 1
+        comm["pp"] = exposed["pp"] = 2 * (v * m + layout.pp - 1) * links.p2p(boundary, groups["pp"])
+
+    step = compute + bubble + exposed.get("dp", 0.0) + exposed.get("pp", 0.0)
+    return StepTime(step_s=step, compute_s=compute, bubble_s=bubble, comm_s=comm, exposed_comm_s=exposed)

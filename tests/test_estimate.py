@@ -1,0 +1,335 @@
+"""The estimator: known answers, the schedules' counts against torch's own, monotonic
+sanity, calibration, the command line, and that it never imports torch."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from autotune.cli import main
+from autotune.config import load_hardware, load_model
+from autotune.estimate import (GIB, Calibration, budget_bytes, calibrate, default_calibration, estimate,
+                               rank_estimates, valid_layouts)
+from autotune.estimate_memory import (SavedTotals, Saved, chunks_in_flight, rank_memory, rank_shape,
+                                      saved_bytes_per_token)
+from autotune.layout import Layout, resolve
+
+TINY = load_model("tiny")
+LLAMA_70B = load_model("llama3-70b")
+H100 = load_hardware("h100-sxm")
+# Links so fast that communication vanishes, for the pure pipeline formulas.
+INSTANT_LINKS = dataclasses.replace(H100, intra_node_gbps=1e12, inter_node_gbps=1e12)
+NO_LATENCY = Calibration(latency_s=0.0)
+
+
+def state_bytes(model, layout: Layout, device: str) -> float:
+    """Parameters + gradients + AdamW states after a step, on pipeline rank 0."""
+    terms = rank_memory(model, layout, device, rank_shape(model, layout, 0))["optimizer_step"]
+    return terms["params"] + terms["grads"] + terms["optimizer"]
+
+
+# -- known answers ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("zero, dp_shard, expected", [
+    (0, 8, 16.0),  # nothing sharded: 4 params + 4 grads + 8 AdamW
+    (1, 8, 4 + 4 + 8 / 8),  # AdamW states sharded over dp_shard
+    (2, 8, 16 / 8),  # gradients and states sharded
+    (3, 8, 16 / 8),  # parameters too
+    (3, 2, 16 / 2),  # HSDP: sharded over dp_shard only
+])
+def test_bytes_per_parameter_for_each_zero(device, zero, dp_shard, expected):
+    layout = resolve(f"dp=8,dp_shard={dp_shard},zero={zero}", LLAMA_70B, 8)
+    assert state_bytes(LLAMA_70B, layout, device) / LLAMA_70B.num_params() == pytest.approx(expected, rel=1e-12)
+
+
+def test_70b_dense_in_mixed_precision_with_adam_needs_16_bytes_per_parameter():
+    one_gpu = resolve("", LLAMA_70B, 1)
+    total = state_bytes(LLAMA_70B, one_gpu, "cuda")
+    assert total / LLAMA_70B.num_params() == pytest.approx(16.0)
+    assert 1.05e12 < total < 1.2e12  # ~1.1 TB of static state
+    # ... plus the bf16 working copy the compute runs on.
+    terms = rank_memory(LLAMA_70B, one_gpu, "cuda", rank_shape(LLAMA_70B, one_gpu, 0))["loss_backward"]
+    assert terms["fsdp_buffers"] == pytest.approx(2 * LLAMA_70B.num_params())
+
+
+def bubble(layout_text: str, gpus: int) -> tuple[float, int]:
+    layout = resolve(layout_text, LLAMA_70B, gpus, 8)
+    e = estimate(LLAMA_70B, layout, INSTANT_LINKS, calibration=NO_LATENCY)
+    return e.bubble_fraction, e.grad_accum
+
+
+@pytest.mark.parametrize("pp, mbs, schedule", [(4, 1, "1f1b"), (8, 2, "1f1b"), (4, 4, "gpipe")])
+def test_1f1b_and_gpipe_bubble_is_p_minus_1_over_m_plus_p_minus_1(pp, mbs, schedule):
+    fraction, m = bubble(f"tp=8,pp={pp},dp=8,mbs={mbs},schedule={schedule}", 64 * pp)
+    assert fraction == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-6)
+
+
+@pytest.mark.parametrize("pp, vpp", [(4, 2), (2, 4), (8, 2)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m_plus_p_minus_1(pp, vpp):
+    fraction, m = bubble(f"tp=8,pp={pp},dp=8,schedule=interleaved_1f1b,vpp={vpp}", 64 * pp)
+    assert fraction == pytest.approx((pp - 1) / (vpp * m + pp - 1), rel=1e-6)
+    plain, _ = bubble(f"tp=8,pp={pp},dp=8,schedule=1f1b", 64 * pp)
+    zero_bubble, _ = bubble(f"tp=8,pp={pp},dp=8,schedule=zero_bubble,vpp={vpp}", 64 * pp)
+    assert zero_bubble < fraction < plain
+
+
+def paper_gpt_block(a: int, h: int, s: int) -> list[Saved]:
+    """Korthikanti et al. 2022, section 4.1: a GPT block in 16-bit with 1-byte dropout masks."""
+    return [
+        Saved("layernorm 1 input", h, 2, "sp"), Saved("qkv input", h, 2, "sp"),
+        Saved("q, k", 2 * h, 2, "tp"), Saved("softmax output", a * s, 2, "tp", core=True),
+        Saved("softmax dropout mask", a * s, 1, "tp", core=True),
+        Saved("softmax dropout output", a * s, 2, "tp", core=True), Saved("v", h, 2, "tp"),
+        Saved("projection input", h, 2, "tp"), Saved("attention dropout mask", h, 1, "sp"),
+        Saved("layernorm 2 input", h, 2, "sp"), Saved("mlp input", h, 2, "sp"),
+        Saved("gelu input", 4 * h, 2, "tp"), Saved("gelu output", 4 * h, 2, "tp"),
+        Saved("mlp dropout mask", h, 1, "sp"),
+    ]
+
+
+@pytest.mark.parametrize("a, h, s, b, t", [(64, 8192, 2048, 1, 8), (96, 12288, 2048, 2, 4), (32, 4096, 4096, 4, 2)])
+def test_layer_activations_match_the_paper(a, h, s, b, t):
+    saved = SavedTotals.of(paper_gpt_block(a, h, s))
+
+    def layer(tp, sp, recompute):
+        return s * b * saved_bytes_per_token(saved, tp, sp, recompute, block_input=2 * h)
+
+    sbh = s * b * h
+    assert layer(1, False, "none") == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert layer(t, False, "none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer(t, True, "none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert layer(t, True, "selective") == pytest.approx(sbh / t * 34)
+    assert layer(t, True, "full") == pytest.approx(2 * sbh / t)
+
+
+# -- the schedules hold what torch's schedules hold ------------------------------------------------
+
+TORCH_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                   "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+
+
+def torch_in_flight(schedule: str, pp: int, m: int, vpp: int) -> list[int]:
+    """Most forwards held per rank in torch's action lists: a forward adds one, the
+    backward that frees its activations (for split backwards, the weight step) one less."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    ops = get_schedule_ops(TORCH_SCHEDULES[schedule], pp, m, vpp if vpp > 1 else None)
+    split = schedule in ("zero_bubble", "zbv", "dualpipev")
+    peaks = []
+    for rank_ops in ops:
+        held = peak = 0
+        for action in filter(None, rank_ops):
+            for a in action.sub_actions or (action,):
+                kind = a.computation_type.value
+                if kind == "F":
+                    held += 1
+                    peak = max(peak, held)
+                elif kind == "B" or (kind == "W" and split) or (kind == "I" and not split):
+                    held -= 1
+        peaks.append(peak)
+    return peaks
+
+
+@pytest.mark.parametrize("schedule, vpp, pp, m", [
+    (s, v, p, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
+                              ("zero_bubble", 2), ("zero_bubble", 4), ("zbv", 2), ("dualpipev", 2))
+    for p in (2, 4) for m in (1, 2, 4, 6, 8, 16)
+    if not (s == "1f1b" and m < p) and not (s == "dualpipev" and m < 2 * p)
+    and not (s in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // p))
+])
+def test_microbatches_in_flight_match_torch_schedules(schedule, vpp, pp, m):
+    layout = Layout(pp=pp, vpp=vpp, schedule=schedule)
+    ours = [chunks_in_flight(layout, m, rank) for rank in range(pp)]
+    assert ours == torch_in_flight(schedule, pp, m, vpp)
+
+
+# -- monotonic sanity -------------------------------------------------------------------------------
+
+def peak(text: str, gpus: int, model=LLAMA_70B, device="cuda") -> float:
+    return estimate(model, resolve(text, model, gpus, 8), H100, device=device).peak_mem_bytes
+
+
+def activations(text: str, gpus: int, model=LLAMA_70B) -> float:
+    return estimate(model, resolve(text, model, gpus, 8), H100).memory["activations"]
+
+
+def test_more_tensor_parallel_holds_less_per_rank():
+    for extra in ("zero=0", "zero=3"):
+        peaks = [peak(f"tp={tp},{extra}", 8) for tp in (1, 2, 4, 8)]
+        assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+    with_sp = [peak(f"tp={tp},sp={int(tp > 1)},pp=8,zero=1", 64) for tp in (1, 2, 4, 8)]
+    assert with_sp == sorted(with_sp, reverse=True) and len(set(with_sp)) == 4, with_sp
+
+
+def test_recompute_keeps_fewer_activations():
+    kept = [activations(f"tp=8,pp=8,recompute={r}", 64) for r in ("none", "selective", "full")]
+    assert kept[0] > kept[1] > kept[2]
+    assert kept[2] < 0.2 * kept[0]
+
+
+def test_larger_micro_batches_hold_more_activations():
+    kept = [activations(f"tp=8,pp=8,mbs={mbs}", 64) for mbs in (1, 2, 4)]
+    assert kept[0] < kept[1] < kept[2]
+
+
+def test_sequence_and_context_parallel_cut_activations():
+    assert activations("tp=8,sp=1,pp=8", 64) < activations("tp=8,pp=8", 64)
+    assert activations("tp=8,pp=8,cp=2", 128) < activations("tp=8,pp=8", 64)
+
+
+def test_gpipe_holds_every_microbatch_and_1f1b_at_most_pp():
+    assert activations("tp=8,pp=8,schedule=gpipe", 64) > 3 * activations("tp=8,pp=8,schedule=1f1b", 64)
+
+
+def test_expert_parallel_splits_the_experts():
+    mixtral = load_model("mixtral-8x7b")
+    shapes = [rank_shape(mixtral, resolve(f"ep={ep},dp=8", mixtral, 8), 0) for ep in (1, 2, 8)]
+    assert [s.expert_params for s in shapes] == pytest.approx([shapes[0].expert_params / ep for ep in (1, 2, 8)])
+    peaks = [peak(f"ep={ep},dp=8,zero=1", 8, mixtral) for ep in (1, 2, 8)]
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+# -- time -------------------------------------------------------------------------------------------
+
+def test_time_figures_agree_with_each_other():
+    layout = resolve("tp=8,pp=4,zero=1,sp=1", LLAMA_70B, 1024, 8)
+    e = estimate(LLAMA_70B, layout, H100, 80 * GIB)
+    assert e.tokens_per_s == pytest.approx(LLAMA_70B.global_batch_size * LLAMA_70B.seq_len / e.step_time_s)
+    assert e.mfu == pytest.approx(LLAMA_70B.flops_per_token() * e.tokens_per_s / (1024 * H100.peak_tflops * 1e12))
+    assert 0 < e.bubble_fraction < 1 and 0 < e.comm_fraction <= e.total_comm_fraction
+    assert e.mfu < default_calibration("cuda").compute_efficiency  # bubble and communication cost something
+    assert set(e.comm_s) == {"tp", "dp", "pp"}
+    assert sum(e.memory.values()) == pytest.approx(e.peak_mem_bytes)
+
+
+def test_a_group_across_nodes_gets_its_members_nics():
+    """TP 8 on nodes of 4 GPUs: the ring crosses nodes with 4 members (4 NICs) per node,
+    so TP communication slows by NVLink / (4 x NIC) bandwidth."""
+    layout = resolve("tp=8,dp=8", LLAMA_70B, 64)
+    small_nodes = dataclasses.replace(H100, gpus_per_node=4)
+    inside = estimate(LLAMA_70B, layout, H100, calibration=NO_LATENCY)
+    across = estimate(LLAMA_70B, layout, small_nodes, calibration=NO_LATENCY)
+    ratio = H100.intra_node_gbps / (4 * H100.inter_node_gbps)
+    assert across.comm_s["tp"] / inside.comm_s["tp"] == pytest.approx(ratio)
+    assert across.step_time_s > inside.step_time_s
+
+
+def test_without_a_peak_only_memory_is_estimated():
+    cpu = load_hardware("cpu")
+    e = estimate(TINY, resolve("dp=2", TINY, 2), cpu, device="cpu")
+    assert e.peak_mem_bytes > 0 and e.fits and math.isnan(e.step_time_s)
+    d = e.to_dict()
+    assert d["step_time_s"] is None and d["layout"] == str(e.layout)
+    json.dumps(d, allow_nan=False)
+
+
+def test_budget():
+    layout = resolve("", TINY, 1)
+    e = estimate(TINY, layout, H100, memory_budget_bytes=1e6, device="cpu")
+    assert not e.fits and estimate(TINY, layout, H100, device="cpu").fits
+    assert budget_bytes(H100, None) == 80 * GIB and budget_bytes(H100, 2.0) == 2 * GIB
+    assert budget_bytes(load_hardware("cpu"), None) is None
+
+
+# -- calibration --------------------------------------------------------------------------------------
+
+def test_calibration_recovers_known_distortions():
+    """Trials made from the estimate itself with compute twice as slow, links at half
+    speed and memory 10% larger plus 1 MB: calibrate finds exactly those factors."""
+    prior = default_calibration("cuda")
+    truth = dataclasses.replace(prior, compute_efficiency=prior.compute_efficiency / 2,
+                                bandwidth_efficiency=prior.bandwidth_efficiency / 2)
+    measured = []
+    for text in ("tp=8,pp=4,zero=1", "tp=4,pp=8,zero=2,mbs=2", "tp=8,pp=2,cp=2,zero=3,recompute=full",
+                 "tp=2,pp=8,sp=1,zero=1,schedule=interleaved_1f1b,vpp=2"):
+        layout = resolve(text, LLAMA_70B, 512, 8)
+        real = estimate(LLAMA_70B, layout, H100, calibration=truth)
+        before = estimate(LLAMA_70B, layout, H100)
+        measured.append((layout, {"status": "complete", "step_time_s": real.step_time_s,
+                                  "comm_fraction": real.total_comm_fraction,
+                                  "exposed_comm_fraction": real.comm_fraction,
+                                  "peak_mem_bytes": 1.1 * before.peak_mem_bytes + 1e6}))
+    measured.append((layout, {"status": "failed", "reason": "crash"}))
+    fitted = calibrate(measured, LLAMA_70B, H100)
+    assert fitted.trials_used == 4
+    assert fitted.memory_scale == pytest.approx(1.1) and fitted.memory_offset_bytes == pytest.approx(1e6, rel=1e-3)
+    assert fitted.compute_efficiency == pytest.approx(truth.compute_efficiency, rel=0.1)
+    assert fitted.bandwidth_efficiency == pytest.approx(truth.bandwidth_efficiency, rel=0.1)
+    for layout, trial in measured[:-1]:
+        again = estimate(LLAMA_70B, layout, H100, calibration=fitted)
+        assert again.peak_mem_bytes == pytest.approx(trial["peak_mem_bytes"], rel=1e-6)
+        assert again.step_time_s == pytest.approx(trial["step_time_s"], rel=0.1)
+
+
+def test_calibration_without_usable_trials_keeps_the_prior():
+    layout = resolve("", TINY, 1)
+    assert calibrate([], TINY, H100) == default_calibration("cuda")
+    assert calibrate([(layout, {"status": "pruned", "reason": "oom"})], TINY, H100, "cpu") \
+        == dataclasses.replace(default_calibration("cpu"), trials_used=0)
+
+
+# -- every layout ------------------------------------------------------------------------------------
+
+def test_every_layout_ranked_fitting_first_then_by_tokens_per_second():
+    llama_8b = load_model("llama3-8b")
+    layouts = valid_layouts(llama_8b, 16, 8)
+    assert {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"} <= {l.schedule for l in layouts}
+    assert {l.zero for l in layouts} == {0, 1, 2, 3} and {l.recompute for l in layouts} == {"none", "selective", "full"}
+    assert max(l.tp for l in layouts) == 8 and max(l.cp for l in layouts) > 1 and any(l.sp for l in layouts)
+    assert any(l.dp_shard < l.dp for l in layouts)
+    ranked = rank_estimates([estimate(llama_8b, l, H100, 80 * GIB) for l in layouts])
+    fits = [e.fits for e in ranked]
+    assert any(fits) and not all(fits) and fits == sorted(fits, reverse=True)
+    fitting = [e.tokens_per_s for e in ranked if e.fits]
+    assert fitting == sorted(fitting, reverse=True)
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+def test_cli_one_layout_json(capsys):
+    assert main(["estimate", "--model", "llama3-70b", "--gpus", "64", "--layout", "tp=8,pp=8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"].startswith("tp=8,pp=8,") and out["device"] == "cuda"
+    assert out["memory_budget_bytes"] == 80 * GIB
+    assert sum(out["memory"].values()) == pytest.approx(out["peak_mem_bytes"])
+    assert out["tokens_per_s"] > 0
+
+
+def test_cli_every_layout_json_and_table(capsys):
+    assert main(["estimate", "--model", "tiny", "--gpus", "4", "--json", "--memory-budget-gb", "0.001",
+                 "--hardware", "cpu", "--peak-tflops", "0.1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and out["memory_budget_bytes"] == pytest.approx(0.001 * GIB)
+    rows = out["layouts"]
+    assert len(rows) == len(valid_layouts(TINY, 4, 1024)) and len({r["layout"] for r in rows}) == len(rows)
+    assert [r["fits"] for r in rows] == sorted((r["fits"] for r in rows), reverse=True)
+    assert main(["estimate", "--model", "tiny", "--gpus", "4", "--top", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "valid layouts of tiny on 4 x h100-sxm" in table and "predicted OOM" in table
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layout", "tp=3"], "tp*pp*cp = 3*1*1 = 3 must divide --gpus 4"),
+    (["--layout", "sp=1"], "layout.sp: sequence parallel needs tp > 1"),
+    (["--hardware", "nope"], "hardware: unknown preset 'nope'"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(["estimate", "--model", "tiny", "--gpus", "4", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_estimate_modules_do_not_import_torch():
+    code = ("import sys\n"
+            "from autotune.cli import main\n"
+            "from autotune.estimate import estimate, valid_layouts\n"
+            "main(['estimate', '--model', 'tiny', '--gpus', '2', '--json'])\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    json.loads(result.stdout)
