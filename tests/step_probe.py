@@ -194,3 +194,34 @@ def activation_bytes(layouts: list[str]) -> list[int]:
             loss.backward()  # untracked, but run: FSDP expects every forward to meet its backward
         results.append(held["Activation"])
     return results
+
+
+def zero_one_against_adamw(shapes: list[list[int]], bucket_elements: int, steps: int = 3) -> dict:
+    """zero_one_adamw over all ranks and a plain AdamW, fed the same parameters and
+    gradients: the largest difference of the parameters after `steps` steps, and the
+    number of elements of Adam state this rank holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotune.runtime.parallel import zero1
+
+    zero1.BUCKET_ELEMENTS = bucket_elements  # several all-gathers even for tiny tensors
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(0)  # the same numbers on every rank
+    start = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(steps)]
+    sliced = [torch.nn.Parameter(t.clone()) for t in start]
+    whole = [torch.nn.Parameter(t.clone()) for t in start]
+    options = {"lr": 0.1, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    sliced_adamw, adamw = zero1.zero_one_adamw(sliced, mesh, **options), torch.optim.AdamW(whole, **options)
+    for step_grads in grads:
+        for a, b, g in zip(sliced, whole, step_grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        sliced_adamw.step()
+        adamw.step()
+        sliced_adamw.zero_grad(set_to_none=True)
+        adamw.zero_grad(set_to_none=True)
+    return {
+        "max_difference": max((a - b).abs().max().item() for a, b in zip(sliced, whole)),
+        "state_elements": sum(s["exp_avg"].numel() for s in sliced_adamw.state.values()),
+        "grads_left": sum(p.grad is not None for p in sliced),
+    }

@@ -5,7 +5,8 @@ import pytest
 import torch
 from numerics import assert_same_losses, assert_same_params
 from spawn_group import run_layouts, run_on_ranks
-from step_probe import assert_same_gradients, first_step_gradients, mixed_precision_step, reference_gradients
+from step_probe import (assert_same_gradients, first_step_gradients, mixed_precision_step, reference_gradients,
+                        zero_one_against_adamw)
 
 from autotune.config import load_model
 from autotune.layout import resolve
@@ -89,3 +90,16 @@ def test_bf16_policy_computes_in_bf16_reduces_and_updates_in_fp32(reference):
         assert seen["grads"] == seen["params"] == seen["optimizer_state"] == ["torch.float32"], layout
         assert_same_losses(fp32, seen["losses"], layout, rtol=1e-2)
         assert seen["losses"] != pytest.approx(fp32, rel=1e-6), "bf16 rounding should show"
+
+
+def test_zero1_optimizer_equals_adamw_with_uneven_and_empty_slices():
+    """3 ranks: 5 elements cut 2+2+1, a single element 1+0+0 (empty slices), 7 elements
+    3+3+1, a 4x3 matrix 4+4+4; buckets of 20 gathered elements make two all-gathers, the
+    first of three parameters. Every rank ends with AdamW's parameters, holding its
+    slices' state only."""
+    shapes = [[5], [1], [7], [4, 3]]
+    ranks = run_on_ranks(3, zero_one_against_adamw, shapes, 20)
+    assert [r["state_elements"] for r in ranks] == [2 + 1 + 3 + 4, 2 + 0 + 3 + 4, 1 + 0 + 1 + 4]
+    for r in ranks:
+        assert r["max_difference"] <= 1e-6
+        assert r["grads_left"] == 0  # the full gradients are dropped once sliced

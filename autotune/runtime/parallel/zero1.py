@@ -51,11 +51,14 @@ class SlicedParameters:
             self.slices = [nn.Parameter(self.my_chunk(i)) for i in range(len(params))]
         self.buckets = self.make_buckets()
 
+    def my_part(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of `flat`, parameter i's flattened storage or gradient (a view)."""
+        start = min(self.rank * self.chunks[i], flat.numel())
+        return flat[start:min(start + self.chunks[i], flat.numel())]
+
     def my_chunk(self, i: int) -> torch.Tensor:
         """A view of this rank's chunk of parameter i: writing it writes the parameter."""
-        flat = local(self.params[i]).detach().view(-1)
-        chunk = self.chunks[i]
-        return flat[min(self.rank * chunk, flat.numel()):min((self.rank + 1) * chunk, flat.numel())]
+        return self.my_part(i, local(self.params[i]).detach().view(-1))
 
     def make_buckets(self) -> list[list[int]]:
         buckets, current, size = [], [], 0
@@ -76,8 +79,7 @@ class SlicedParameters:
             if param.grad is None:
                 piece.grad = None
                 continue
-            grad = local(param.grad).reshape(-1)
-            piece.grad = grad[min(self.rank * self.chunks[i], grad.numel()):][:piece.numel()]
+            piece.grad = self.my_part(i, local(param.grad).reshape(-1))
             param.grad = None
 
     @torch.no_grad()
