@@ -87,3 +87,28 @@ def run_layouts(world_size: int, layouts: list[str], model: str | ModelConfig = 
         mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), specs, tmp, with_params),
                            nprocs=world_size, start_method="spawn")
         return json.loads(Path(tmp, "results.json").read_text())
+
+
+def _function_worker(rank: int, world_size: int, store_path: str, out_dir: str, fn, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["RANK"], os.environ["LOCAL_RANK"] = str(rank), str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
+    try:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(fn(*args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn, *args) -> list:
+    """Call fn(*args) on each of `world_size` gloo ranks; every rank's (JSON-able) return value.
+
+    fn must be a module-level function (the spawned processes import it by name)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_function_worker, args=(world_size, os.path.join(tmp, "store"), tmp, fn, args),
+                           nprocs=world_size, start_method="spawn")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]

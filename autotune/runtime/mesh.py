@@ -10,7 +10,8 @@ dims:
                                           gradient reduction of dense parameters
     dp_shard_cp = dp_shard x cp           FSDP sharding of dense parameters under CP
 
-This is the only file that touches private DeviceMesh APIs (`_flatten`), so a
+This is the only file that touches private DeviceMesh APIs (`_flatten`,
+`_concatenate`), so a
 change in torch is mended in one place.
 """
 
@@ -81,6 +82,11 @@ class Meshes:
 
     def local_rank(self, name: str) -> int:
         return self.named[name].get_local_rank()
+
+    def hsdp(self) -> DeviceMesh:
+        """The 2-D (dp_replicate, dp_shard_cp) mesh of HSDP: FSDP shards over the second
+        dim and replicates over the first."""
+        return DeviceMesh._concatenate([self.named["dp_replicate"], self.named["dp_shard_cp"]])
 
     def describe(self) -> str:
         """The process grid, printable: which global ranks form each group of this rank."""

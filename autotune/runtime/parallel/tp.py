@@ -1,0 +1,89 @@
+"""Tensor parallel (Megatron-style) with optional sequence parallel, on DTensor.
+
+Each block's attention and MLP are cut into a column-parallel first half and a
+row-parallel second half, so one all-reduce (or, with SP, one all-gather and one
+reduce-scatter) per half is all the communication a block needs:
+
+    attention: wq, wk, wv column-parallel (each rank computes heads/tp query heads and
+               kv_heads/tp kv heads; the model views q/k/v with -1 heads, so it runs the
+               per-rank head count untouched), wo row-parallel
+    MLP:       gate, up column-parallel (ffn/tp columns each), down row-parallel
+    embedding: vocabulary-parallel (row-wise: each rank owns vocab/tp rows, the partial
+               embeddings are summed)
+    output:    vocabulary-parallel (column-wise) and left sharded: the loss is computed
+               on vocab-sharded logits under `loss_parallel`, so the full [tokens, vocab]
+               logits never exist on one rank. The loss is then a DTensor
+               (`.full_tensor()` before any other collective).
+
+GQA stays correct under this split: query head h uses kv head h // (heads / kv_heads);
+with contiguous column blocks rank r holds query heads [r*heads/tp, ...) and kv heads
+[r*kv_heads/tp, ...), which are exactly the kv heads its query heads use. The layout
+rules refuse heads, kv heads, ffn or vocab that do not divide by tp.
+
+Sequence parallel (sp=1): outside attention and MLP (norms, residual adds) the
+activations are cut along the sequence instead of replicated, so norms run on seq/tp
+tokens and the residual stream takes 1/tp of the memory. The row-parallel outputs
+reduce-scatter onto the sequence shards, and each attention / MLP input is all-gathered
+back to the full sequence (`PrepareModuleInput`), so attention always sees whole
+sequences and the model's positions stay 0..seq-1.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from autotune.runtime.model import FeedForward
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard the (meta-device) model's weights over `tp_mesh` in place.
+
+    Runs on a pipeline stage as well as on the whole model: a stage lacks the
+    embedding, the final norm or the head (None), and those plans are skipped.
+    """
+    # Between blocks the residual stream is sequence-sharded (SP) or replicated.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    top_plan = {}
+    if model.tok_embeddings is not None:
+        top_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if model.norm is not None and sequence_parallel:
+        top_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Logits stay a vocab-sharded DTensor for loss_parallel.
+        top_plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
+                                             use_local_output=False)
+    parallelize_module(model, tp_mesh, top_plan)
+
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+        }
+        if isinstance(block.mlp, FeedForward):  # MoE blocks are cut by expert parallel instead
+            plan.update({
+                "mlp.gate": ColwiseParallel(),
+                "mlp.up": ColwiseParallel(),
+                "mlp.down": RowwiseParallel(output_layouts=stream),
+            })
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                # The norms hand on sequence shards; attention and MLP need whole sequences.
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                use_local_output=True),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True),
+            })
+        parallelize_module(block, tp_mesh, plan)

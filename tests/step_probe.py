@@ -1,0 +1,227 @@
+"""Rank functions (for spawn_group.run_on_ranks) that look inside training steps: the
+gradients a layout hands its optimizer, what mixed precision computes in, the local
+shapes TP leaves, and the memory a rank holds."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from autotune.config import load_model
+from autotune.layout import resolve
+from autotune.runtime.data import batch_rows, micro_batches
+from autotune.runtime.init import init_weights, plain_name
+from autotune.runtime.mesh import ParallelDims
+from autotune.runtime.model import Transformer
+from autotune.runtime.parallel.dp import build_optimizer
+from autotune.runtime.parallelize import build_trainer, parallelize_stage
+from autotune.runtime.train import Trainer, cross_entropy
+from autotune.runtime.trial import global_losses
+from autotune.trialspec import TrialSpec
+
+MODEL = "tiny"
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def step_batches(cfg, layout, mesh, step: int):
+    return micro_batches(0, step, mesh["dp"].get_local_rank(), layout.mbs, layout.grad_accum(cfg),
+                         cfg.seq_len, cfg.vocab_size)
+
+
+def trainer_for(text: str):
+    """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them."""
+    cfg = load_model(MODEL)
+    layout = resolve(text, cfg, dist.get_world_size())
+    mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+    trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
+                            TrialSpec(model=dataclasses.asdict(cfg), layout=text))
+    return cfg, layout, mesh, trainer
+
+
+def memory_by_kind(snapshot: dict) -> dict:
+    """MemTracker's CPU snapshot keyed by plain names: Parameter, Activation, ..., Total."""
+    return {getattr(kind, "value", kind): size for kind, size in snapshot[torch.device("cpu")].items()}
+
+
+def first_step_gradients(layouts: list[str]) -> list[dict] | None:
+    """{plain name: flat list} of the full gradients the optimizer sees at step 0, per layout
+    (on rank 0; None elsewhere). Not for zero=1, whose optimizer takes its gradient slices
+    before any hook registered after it could look."""
+    results = []
+    for text in layouts:
+        cfg, layout, mesh, trainer = trainer_for(text)
+        assert layout.zero != 1
+        grads = {}
+
+        def capture(optimizer, args, kwargs):
+            for name, param in trainer.model.named_parameters():
+                grads[plain_name(name)] = full(param.grad).flatten().tolist()
+
+        trainer.optimizer.register_step_pre_hook(capture)
+        trainer.step(step_batches(cfg, layout, mesh, 0))
+        results.append(grads)
+    return results if dist.get_rank() == 0 else None
+
+
+def reference_gradients() -> dict:
+    """The gradients of the mean loss over step 0's whole global batch, in this process:
+    the plain model, no process group, no micro-batches."""
+    cfg = load_model(MODEL)
+    model = Transformer(cfg)
+    init_weights(model, 0, cfg.hidden_size, cfg.num_layers)
+    tokens = batch_rows(0, 0, range(cfg.global_batch_size), cfg.seq_len, cfg.vocab_size)
+    cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    return {name: p.grad.flatten().tolist() for name, p in model.named_parameters()}
+
+
+def assert_same_gradients(reference: dict, other: dict, what: str, rtol: float = 1e-4) -> None:
+    """Each parameter's gradient equals the reference within rtol of the reference's norm."""
+    assert sorted(reference) == sorted(other), f"{what}: parameter names differ"
+    for name, ref in reference.items():
+        diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(ref, other[name])))
+        norm = math.sqrt(sum(a * a for a in ref))
+        assert len(ref) == len(other[name]) and diff <= rtol * norm, \
+            f"{what}: gradient of {name} differs by {diff / norm:.2e} of its norm (rtol {rtol})"
+
+
+def mixed_precision_step(layouts: list[str], steps: int = 3) -> list[dict]:
+    """Train each layout with the CUDA bf16 policy forced on the CPU; report dtypes seen."""
+    cfg = load_model(MODEL)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    results = []
+    for text in layouts:
+        layout = resolve(text, cfg, dist.get_world_size())
+        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        parallelize_stage(model, layout, mesh, policy)
+        model.to_empty(device="cpu")
+        init_weights(model, 0, cfg.hidden_size, cfg.num_layers)
+        optimizer = build_optimizer(model, mesh, layout, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        trainer = Trainer(model, optimizer, loss_parallel if layout.tp > 1 else contextlib.nullcontext)
+        seen = {"compute": [], "grads": set()}
+
+        def linear_input(module, args):
+            seen["compute"] = [str(args[0].dtype), str(module.weight.dtype)]
+
+        def gradient_dtypes(optimizer, args, kwargs):
+            seen["grads"] |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
+
+        model.layers["3"].attention.wq.register_forward_pre_hook(linear_input)
+        optimizer.register_step_pre_hook(gradient_dtypes)
+        shares = torch.stack([trainer.step(step_batches(cfg, layout, mesh, step)) for step in range(steps)])
+        results.append({
+            "compute": seen["compute"],
+            "grads": sorted(seen["grads"]),
+            "params": sorted({str(p.dtype) for p in model.parameters()}),
+            "optimizer_state": sorted({str(t.dtype) for state in optimizer.state.values()
+                                       for key, t in state.items() if key != "step"}),
+            "losses": global_losses(shares, mesh),
+        })
+    return results
+
+
+def local_attention_shapes(layouts: list[str]) -> list[dict]:
+    """This rank's local shapes of layer 0's attention weights, per layout."""
+    cfg = load_model(MODEL)
+    results = []
+    for text in layouts:
+        layout = resolve(text, cfg, dist.get_world_size())
+        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        parallelize_stage(model, layout, mesh, None)
+        attention = model.layers["0"].attention
+        results.append({name: list(local(getattr(attention, name).weight).shape)
+                        for name in ("wq", "wk", "wv", "wo")})
+    return results
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def held_state_and_peak(layouts: list[str]) -> list[dict]:
+    """Per layout, on this rank after one training step: bytes of the parameters and the
+    optimizer state it holds, and MemTracker's peak over a second step."""
+    results = []
+    for text in layouts:
+        cfg, layout, mesh, trainer = trainer_for(text)
+        trainer.step(step_batches(cfg, layout, mesh, 0))
+        params = storage_bytes(local(p) for p in trainer.model.parameters())
+        state = storage_bytes(local(t) for per_param in trainer.optimizer.state.values()
+                              for t in per_param.values() if torch.is_tensor(t))
+        tracker = MemTracker()
+        tracker.track_external(trainer.model, trainer.optimizer)
+        with tracker:
+            trainer.step(step_batches(cfg, layout, mesh, 1))
+        results.append({"params": params, "optimizer": state,
+                        "peak": memory_by_kind(tracker.get_tracker_snapshot("peak"))})
+    return results
+
+
+def activation_bytes(layouts: list[str]) -> list[int]:
+    """Per layout, the activation bytes this rank holds at the end of one micro-batch's
+    forward (what the backward will need), measured by torch's MemTracker."""
+    results = []
+    for text in layouts:
+        cfg, layout, mesh, trainer = trainer_for(text)
+        inputs, labels = step_batches(cfg, layout, mesh, 0)[0]
+        trainer.step([(inputs, labels)])  # optimizer state and FSDP buffers exist from here on
+        tracker = MemTracker()
+        tracker.track_external(trainer.model, trainer.optimizer)
+        with trainer.loss_context():
+            with tracker:
+                loss = cross_entropy(trainer.model(inputs), labels)
+                held = memory_by_kind(tracker.get_tracker_snapshot("current"))
+            loss.backward()  # untracked, but run: FSDP expects every forward to meet its backward
+        results.append(held["Activation"])
+    return results
+
+
+def zero_one_against_adamw(shapes: list[list[int]], bucket_elements: int, steps: int = 3) -> dict:
+    """zero_one_adamw over all ranks and a plain AdamW, fed the same parameters and
+    gradients: the largest difference of the parameters after `steps` steps, and the
+    number of elements of Adam state this rank holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotune.runtime.parallel import zero1
+
+    zero1.BUCKET_ELEMENTS = bucket_elements  # several all-gathers even for tiny tensors
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(0)  # the same numbers on every rank
+    start = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(steps)]
+    sliced = [torch.nn.Parameter(t.clone()) for t in start]
+    whole = [torch.nn.Parameter(t.clone()) for t in start]
+    options = {"lr": 0.1, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    sliced_adamw, adamw = zero1.zero_one_adamw(sliced, mesh, **options), torch.optim.AdamW(whole, **options)
+    for step_grads in grads:
+        for a, b, g in zip(sliced, whole, step_grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        sliced_adamw.step()
+        adamw.step()
+        sliced_adamw.zero_grad(set_to_none=True)
+        adamw.zero_grad(set_to_none=True)
+    return {
+        "max_difference": max((a - b).abs().max().item() for a, b in zip(sliced, whole)),
+        "state_elements": sum(s["exp_avg"].numel() for s in sliced_adamw.state.values()),
+        "grads_left": sum(p.grad is not None for p in sliced),
+    }

@@ -1,0 +1,105 @@
+"""Data parallel (every zero value, HSDP), gradient accumulation and mixed precision
+against one process: same losses at every step, same trained parameters, same gradients."""
+
+import pytest
+import torch
+from numerics import assert_same_losses, assert_same_params
+from spawn_group import run_layouts, run_on_ranks
+from step_probe import (assert_same_gradients, first_step_gradients, mixed_precision_step, reference_gradients,
+                        zero_one_against_adamw)
+
+from autotune.config import load_model
+from autotune.layout import resolve
+from autotune.runtime.parallel.dp import mixed_precision_policy
+
+TINY = load_model("tiny")  # global batch 16
+
+
+def full(text: str, gpus: int) -> str:
+    return str(resolve(text, TINY, gpus))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, one sequence per micro-batch (16 micro-batches a step), and the same
+    global batch cut into 2 and into 1 micro-batch."""
+    return run_layouts(1, [full("", 1), full("mbs=8", 1), full("mbs=16", 1)], with_params=True)
+
+
+# Adam divides each gradient element by its own running magnitude, so an element whose
+# gradient nearly cancels moves by a visible fraction of lr (1e-3) when the summation
+# order changes (another micro-batch split, a matmul cut by TP): up to 2.4e-5 on one
+# element in 8192 has been seen, with a mean difference of ~2e-9. A wrong shard or a
+# missing reduction moves every element by ~lr; a wrong gradient scale, which Adam
+# hides, is caught by comparing the gradients themselves (below).
+PARAM_ATOL = 1e-4
+
+
+def check(reference: dict, results: list[dict]) -> None:
+    for r in results:
+        assert r["steps"] >= 3
+        assert_same_losses(reference["losses"], r["losses"], r["layout"])
+        assert_same_params(reference["params"], r["params"], r["layout"], atol=PARAM_ATOL)
+
+
+def test_micro_batch_split_does_not_change_training(reference):
+    one, *splits = reference
+    check(one, splits)
+    assert [r["grad_accum"] for r in reference] == [16, 2, 1]
+
+
+def test_each_zero_at_dp2_and_mbs1_vs_mbs2(reference):
+    layouts = [full(text, 2) for text in ("zero=0", "zero=1,mbs=2", "zero=2,mbs=4", "zero=3", "zero=3,mbs=2")]
+    results = run_layouts(2, layouts, with_params=True)
+    check(reference[0], results)
+    assert [r["grad_accum"] for r in results] == [8, 4, 2, 8, 4]
+
+
+def test_hsdp_2x2_for_each_sharded_zero_and_full_shard_at_dp4(reference):
+    layouts = [full(f"dp_shard=2,zero={z},mbs=2", 4) for z in (1, 2, 3)] + [full("zero=3,mbs=4", 4)]
+    results = run_layouts(4, layouts, with_params=True)
+    check(reference[0], results)
+    assert all(resolve(r["layout"], TINY, 4).dp_replicate == 2 for r in results[:3])
+
+
+def test_gradients_equal_one_process_whatever_the_split():
+    """Adam is blind to a gradient's scale (m / sqrt(v)), so equal parameters do not prove
+    that a layout averages its gradients right: compare the gradients themselves."""
+    reference = reference_gradients()
+    layouts = [full(text, 2) for text in ("zero=0,mbs=4", "zero=2,mbs=2", "zero=3,mbs=8", "tp=2,sp=1,mbs=4")]
+    for layout, grads in zip(layouts, run_on_ranks(2, first_step_gradients, layouts)[0]):
+        assert_same_gradients(reference, grads, layout)
+
+
+def test_mixed_precision_policy_is_bf16_compute_fp32_state_on_cuda_only():
+    bf16 = TINY.__class__(**{**TINY.__dict__, "dtype": "bf16"})
+    policy = mixed_precision_policy(bf16, torch.device("cuda"))
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert mixed_precision_policy(bf16, torch.device("cpu")) is None
+    assert mixed_precision_policy(TINY, torch.device("cuda")) is None  # an fp32 model stays fp32
+
+
+def test_bf16_policy_computes_in_bf16_reduces_and_updates_in_fp32(reference):
+    """The CUDA policy forced on the CPU: the same wrapping at dp=2 (FSDP) and at dp=1
+    (TP only: replicate over one rank) computes in bf16 with fp32 gradients,
+    parameters and optimizer state, and trains like fp32 up to bf16 rounding."""
+    layouts = [full("zero=3,mbs=8", 2), full("tp=2,mbs=16", 2)]
+    fp32 = reference[0]["losses"]
+    for layout, seen in zip(layouts, run_on_ranks(2, mixed_precision_step, layouts)[0]):
+        assert seen["compute"] == ["torch.bfloat16", "torch.bfloat16"], layout  # a Linear's input and weight
+        assert seen["grads"] == seen["params"] == seen["optimizer_state"] == ["torch.float32"], layout
+        assert_same_losses(fp32, seen["losses"], layout, rtol=1e-2)
+        assert seen["losses"] != pytest.approx(fp32, rel=1e-6), "bf16 rounding should show"
+
+
+def test_zero1_optimizer_equals_adamw_with_uneven_and_empty_slices():
+    """3 ranks: 5 elements cut 2+2+1, a single element 1+0+0 (empty slices), 7 elements
+    3+3+1, a 4x3 matrix 4+4+4; buckets of 20 gathered elements make two all-gathers, the
+    first of three parameters. Every rank ends with AdamW's parameters, holding its
+    slices' state only."""
+    shapes = [[5], [1], [7], [4, 3]]
+    ranks = run_on_ranks(3, zero_one_against_adamw, shapes, 20)
+    assert [r["state_elements"] for r in ranks] == [2 + 1 + 3 + 4, 2 + 0 + 3 + 4, 1 + 0 + 1 + 4]
+    for r in ranks:
+        assert r["max_difference"] <= 1e-6
+        assert r["grads_left"] == 0  # the full gradients are dropped once sliced
