@@ -14,8 +14,8 @@ elsewhere:
     CPU   aten._scaled_dot_product_flash_attention_for_cpu (+ _backward): every float
           dtype, GQA natively (kv heads are never repeated).
     CUDA  aten._flash_attention_forward (+ _backward), FlashAttention-2: fp16/bf16 (what
-          mixed precision computes in), head_dim a multiple of 8 up to 256, GQA natively.
-          Other dtypes take the math path.
+          mixed precision computes in) on Ampere or newer, head_dim a multiple of 8 up to
+          256, GQA natively. Other dtypes and GPUs take the math path.
 The fused backward takes the output and log-sum-exp as arguments instead of
 recomputing them, which is what lets the ring differentiate a block against the
 merged result of all blocks.
@@ -121,8 +121,11 @@ def attention_backward_reference(dout, q, k, v, out, lse, causal: bool, scale: f
 # -- the device's fused kernels ----------------------------------------------------------------
 
 def _cuda_flash(q: torch.Tensor) -> bool:
+    """FlashAttention-2's conditions: built in, an Ampere or newer GPU, half precision,
+    head_dim a multiple of 8 up to 256."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and torch.backends.cuda.is_flash_attention_available())
+            and q.shape[-1] <= 256 and torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
 def attention_with_lse(q, k, v, causal: bool, scale: float | None = None):
