@@ -14,6 +14,14 @@ The peak is the largest of three moments of a step (see rank_memory):
 From the second micro-batch on, the backward moments also hold FSDP2's unsharded fp32
 gradients, since the trainer syncs gradients on the last micro-batch only.
 
+Context parallel divides every per-token term by cp: each rank holds seq_len/cp
+tokens of each sequence, and ring attention saves what fused attention saves (q, k,
+v, output, log-sum-exp) for its own tokens only. The ring's buffers (the KV block in
+flight, fp32 dK/dV and dQ accumulators) live only inside one layer's attention; in
+backward they come after that layer's MLP backward has freed its saved tensors and
+SwiGLU's gradients, and they are not modelled as a peak of their own (no measured
+layout peaks there: benchmarks/estimator_accuracy.md).
+
 Activations are the tensors autograd saves, itemised per layer for our Llama block
 in the accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"): the same items with the paper's GPT block give its
@@ -345,10 +353,13 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
     # backward ran in this step.
     grads_at_backward = prec.grad * total if m * stage_chunks(layout) > chunks else 0.0
 
-    # Token ids on the device: inputs and labels of every micro-batch of the step.
+    # Token ids on the device: inputs and labels of every micro-batch of the step, and
+    # under CP the head-tail shards of the current micro-batch's (int64, seq/cp each).
     rows = layout.mbs * m
     overhead = 8 * (model.seq_len + 1) * rows if device == "cpu" else \
         16 * model.seq_len * rows + CUDA_FIXED_OVERHEAD_BYTES
+    if layout.cp > 1:
+        overhead += 16 * layout.mbs * model.seq_len / layout.cp
 
     # AdamW's temporaries: the foreach kernels (CUDA) build sqrt(exp_avg_sq) for every
     # local tensor at once; the CPU's single-tensor loop makes two of one tensor at a time.

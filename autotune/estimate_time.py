@@ -6,12 +6,12 @@ the pipeline bubble per schedule.
 F, B and W are one micro-batch's forward, input-gradient and weight-gradient work on
 that rank, TP, EP and CP communication on the critical path included. Overlap
 assumptions: TP and EP collectives are never hidden; CP's KV ring hides behind the
-attention core it feeds; the DP gradient reduction (once per step, on the last
-micro-batch) hides behind that micro-batch's backward but for the last layer's
-share; FSDP's all-gathers hide behind the compute they prefetch for; ZeRO-1's
-all-gather of updated parameters follows the optimizer step; pipeline transfers cost
-one hop per micro-batch and stage each way. The optimizer step (memory-bound) is not
-counted.
+attention core it feeds (but for the last dK/dV hop home); the DP gradient reduction
+(once per step, on the last micro-batch) hides behind that micro-batch's backward but
+for the last layer's share; FSDP's all-gathers hide behind the compute they prefetch
+for; ZeRO-1's all-gather of updated parameters follows the optimizer step; pipeline
+transfers cost one hop per micro-batch and stage each way. The optimizer step
+(memory-bound) is not counted.
 """
 
 from __future__ import annotations
@@ -175,8 +175,7 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
 
     Per layer: TP (+SP) two all-reduces, or two all-gathers and two reduce-scatters,
     each way (and the forward's again under full recompute); EP a dispatch and a combine
-    all-to-all each way; CP's ring cp-1 KV hops forward, KV and dKV hops backward, each
-    hidden behind the core's work on one of the cp blocks.
+    all-to-all each way; CP's ring (see below).
     """
     fig = model_figures(model)
     tp, cp, c, h = layout.tp, layout.cp, compute_bytes, model.hidden_size
@@ -195,11 +194,22 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     if tp > 1:
         tp_edge = links.all_reduce(act_bytes, groups["tp"])  # embedding forward, head input gradient
         tp_pass = 4 * links.gather_or_scatter(act_bytes, groups["tp"]) if layout.sp else 2 * tp_edge
-    rerun = layout.recompute != "none"  # both recompute modes rerun the core's forward ring
     if cp > 1:
-        hop = links.p2p(tokens * 2 * model.num_kv_heads * model.head_dim / tp * c, groups["cp"])
-        cp_forward = (cp - 1) * max(0.0, hop - core / cp)
-        cp_backward = (cp - 1) * max(0.0, 2 * hop - 2 * core / cp) + cp_forward * rerun
+        # The ring (kernels/attention.py), per layer: forward passes the local KV block
+        # on cp-1 times; backward passes it on cp-1 times again and the fp32 dK/dV
+        # accumulator cp times (the last hop brings it home). Both go to the next rank,
+        # so they share the link: during backward step 0 the KV block is in flight,
+        # during steps 1..cp-2 a KV block and an accumulator, during step cp-1 an
+        # accumulator, each hidden behind that step's block (core/cp forward, 2 core/cp
+        # backward); the last accumulator hop is exposed. Full recompute runs the
+        # forward ring again; selective keeps the ring's output (one fused kernel).
+        rerun = layout.recompute == "full"
+        kv_elements = tokens * 2 * model.num_kv_heads * model.head_dim / tp
+        kv_hop, grad_hop = links.p2p(kv_elements * c, groups["cp"]), links.p2p(kv_elements * 4, groups["cp"])
+        cp_forward = (cp - 1) * max(0.0, kv_hop - core / cp)
+        in_flight = [kv_hop] + [kv_hop + grad_hop] * (cp - 2) + [grad_hop]
+        cp_backward = sum(max(0.0, t - 2 * core / cp) for t in in_flight) + grad_hop + rerun * cp_forward
+        cp_volume = (2 + rerun) * (cp - 1) * kv_hop + cp * grad_hop
     a2a = 0.0
     if layout.ep > 1 and model.moe:
         a2a = links.all_to_all(tokens / (tp if layout.sp else 1) * model.moe.top_k * h * c, groups["ep"])
@@ -215,7 +225,7 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
             work.add_comm("tp", layers * tp_pass + tp_edge * shape.first,
                           layers * tp_pass * (2 if layout.recompute == "full" else 1) + tp_edge * shape.last)
         if cp > 1:
-            work.add_comm("cp", layers * cp_forward, layers * cp_backward, total=layers * (3 + rerun) * (cp - 1) * hop)
+            work.add_comm("cp", layers * cp_forward, layers * cp_backward, total=layers * cp_volume)
         if a2a and shape.moe_layers:
             work.add_comm("ep", 2 * a2a * shape.moe_layers, 2 * a2a * shape.moe_layers)
         works.append(work)

@@ -9,10 +9,11 @@ and storage resize, starting from every tensor alive before the step. The measur
 peak is the max over ranks, what a trial's `peak_mem_bytes` means on the CPU. The
 prediction is `estimate(..., device="cpu").peak_mem_bytes`.
 
-The layouts span every dimension the runtime has so far: plain data parallel at 1, 2
-and 4 ranks, micro-batch sizes with gradient accumulation, and models whose memory is
-dominated by different terms (parameters and optimizer, activations, the vocabulary's
-logits). Extend LAYOUTS as the runtime gains dimensions. Target: median absolute error
+The layouts span plain data parallel at 1, 2 and 4 ranks, micro-batch sizes with
+gradient accumulation, models whose memory is dominated by different terms
+(parameters and optimizer, activations, the vocabulary's logits), and context
+parallel at 2 and 4 ranks, alone, with full recompute, with data and with tensor
+parallel, up to a 2048-token sequence. Extend LAYOUTS as the runtime gains dimensions. Target: median absolute error
 <= 5%, worst <= 15%.
 """
 
@@ -49,13 +50,18 @@ MODELS = {
     "tiny-vocab": {**TINY, "name": "tiny-vocab", "vocab_size": 8192},  # logits, embedding and head
     "tiny-wide": {**TINY, "name": "tiny-wide", "hidden_size": 256, "ffn_hidden_size": 1024,
                   "num_layers": 4},  # parameters and optimizer
+    "tiny-2k": {**TINY, "name": "tiny-2k", "seq_len": 2048, "global_batch_size": 4},  # a long sequence
 }
 # (world size, model, layout)
 LAYOUTS = [(1, model, f"mbs={mbs}") for model in ("tiny", "tiny-vocab", "tiny-wide") for mbs in (1, 4, 16)] + \
           [(1, "tiny-long", f"mbs={mbs}") for mbs in (1, 2, 8)] + \
           [(2, model, f"zero=0,mbs={mbs}") for model in ("tiny", "tiny-vocab", "tiny-wide") for mbs in (1, 8)] + \
           [(2, "tiny-long", "zero=0,mbs=4")] + \
-          [(4, model, f"zero=0,mbs={mbs}") for model in ("tiny", "tiny-long", "tiny-wide") for mbs in (1, 2)]
+          [(4, model, f"zero=0,mbs={mbs}") for model in ("tiny", "tiny-long", "tiny-wide") for mbs in (1, 2)] + \
+          [(2, "tiny", "cp=2,mbs=1"), (2, "tiny-long", "cp=2,mbs=1"), (2, "tiny-long", "cp=2,mbs=4"),
+           (2, "tiny-vocab", "cp=2,mbs=8"), (2, "tiny-wide", "cp=2,mbs=8"), (2, "tiny-2k", "cp=2,mbs=2"),
+           (4, "tiny", "cp=4,mbs=16"), (4, "tiny-long", "cp=4,mbs=2"), (4, "tiny-long", "cp=4,mbs=2,recompute=full"),
+           (4, "tiny-long", "cp=2,dp=2,zero=0,mbs=2"), (4, "tiny-long", "cp=2,tp=2,mbs=2"), (4, "tiny-2k", "cp=4,mbs=1")]
 
 
 def holds_data(t) -> bool:

@@ -218,6 +218,31 @@ def test_a_group_across_nodes_gets_its_members_nics():
     assert across.step_time_s > inside.step_time_s
 
 
+def test_context_parallel_ring_volume_and_what_it_hides():
+    """Per layer and micro-batch the ring sends the local KV block on cp-1 times forward,
+    cp-1 times backward, and the fp32 dK/dV accumulator cp times; full recompute runs
+    the forward ring again, selective keeps its output. Over 32 ranks with tp=8 inside
+    a node the cp group crosses nodes (each hop on one NIC). At 32k tokens attention's
+    compute hides every hop but the last dK/dV one per layer; at 8k it hides less."""
+    long = dataclasses.replace(LLAMA_70B, seq_len=32768, global_batch_size=128)
+    kv_bytes = long.seq_len / 4 * 2 * long.num_kv_heads * long.head_dim / 8 * 2  # seq/cp tokens, kv/tp heads, bf16
+    hop_s = kv_bytes / (H100.inter_node_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency)
+    layers_x_microbatches = long.num_layers * long.global_batch_size
+
+    def ring(model, recompute):
+        e = estimate(model, resolve(f"tp=8,cp=4,zero=1,recompute={recompute}", model, 32, 8), H100,
+                     calibration=NO_LATENCY)
+        return e.comm_s["cp"], e.exposed_comm_s["cp"]
+
+    none, selective, full = (ring(long, r) for r in ("none", "selective", "full"))
+    assert none[0] == pytest.approx(layers_x_microbatches * (3 + 3 + 4 * 2) * hop_s)  # dK/dV: twice the bytes
+    assert selective == none
+    assert full[0] == pytest.approx(layers_x_microbatches * (3 + 3 + 3 + 4 * 2) * hop_s)
+    assert none[1] == pytest.approx(layers_x_microbatches * 2 * hop_s)  # the last dK/dV hop home
+    total, exposed = ring(LLAMA_70B, "none")
+    assert 2 / 14 < exposed / total < 1
+
+
 def test_without_a_peak_only_memory_is_estimated():
     cpu = load_hardware("cpu")
     e = estimate(TINY, resolve("dp=2", TINY, 2), cpu, device="cpu")

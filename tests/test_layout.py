@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from autotune.config import load_model, model_from_dict
@@ -64,6 +66,17 @@ def test_moe_rules():
         resolve("ep=3", MOE, 3)
     with pytest.raises(UsageError, match=r"layout.ep: ep \(4\) must divide dp_shard\*cp \(2\*1\)"):
         resolve("ep=4,tp=2", MOE, 4)
+
+
+def test_context_parallel_cuts_the_sequence_into_2cp_chunks_and_sp_cuts_each_rank_s_part():
+    """Head-tail sharding needs seq_len / (2*cp) whole chunks; sequence parallel then
+    cuts each rank's seq_len / cp tokens by tp."""
+    seq36 = dataclasses.replace(TINY, seq_len=36)
+    assert resolve("cp=2,tp=2,sp=1", seq36, 4).cp == 2
+    with pytest.raises(UsageError, match=r"^layout.cp: seq_len \(36\) must divide by 2\*cp \(8\)"):
+        resolve("cp=4", seq36, 4)
+    with pytest.raises(UsageError, match=r"^layout.sp: seq_len \(36\) must divide by cp\*tp \(8\)"):
+        resolve("cp=2,tp=4,sp=1", seq36, 8)
 
 
 def test_tp_stays_inside_a_node():

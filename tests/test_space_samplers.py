@@ -20,6 +20,15 @@ def test_shipped_spaces_load():
     assert len(valid_layouts(TINY, 4, load_space("quick"))) == 20
 
 
+def test_default_and_long_context_spaces_search_context_parallel():
+    """tiny on 8 GPUs: cp up to 4 in the default space, up to 8 (seq 64 / 2*8 = 4-token
+    chunks) in long_context, alone and with tp and sp."""
+    default, long_context = (valid_layouts(TINY, 8, load_space(name)) for name in ("default", "long_context"))
+    assert {layout.cp for layout in default} == {1, 2, 4}
+    assert {layout.cp for layout in long_context} == {1, 2, 4, 8}
+    assert any(layout.cp > 1 and layout.tp > 1 and layout.sp for layout in long_context)
+
+
 @pytest.mark.parametrize("data, message", [
     ({"layout": {"tp": [1, 2], "colour": [1]}}, "space.layout.colour: unknown layout key"),
     ({"layout": {"dp": [2]}}, "space.layout.dp: dp is derived"),

@@ -24,6 +24,7 @@ from autotune.layout import Layout
 from autotune.runtime.init import init_weights
 from autotune.runtime.mesh import Meshes
 from autotune.runtime.model import Transformer
+from autotune.runtime.parallel.cp import HeadTailSharder, apply_context_parallel
 from autotune.runtime.parallel.dp import apply_data_parallel, build_optimizer, mixed_precision_policy
 from autotune.runtime.parallel.recompute import apply_recompute
 from autotune.runtime.parallel.tp import apply_tensor_parallel
@@ -37,7 +38,9 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
     mp_policy: None for fp32, else FSDP2's mixed precision (see dp.mixed_precision_policy)."""
     if layout.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=bool(layout.sp))
-    # Expert parallel goes here (MoE blocks), then context parallel (Attention.core, positions).
+    # Expert parallel goes here (MoE blocks).
+    if layout.cp > 1:
+        apply_context_parallel(stage, mesh["cp"], stage.cfg.seq_len)
     apply_recompute(stage, layout.recompute)
     apply_data_parallel(stage, mesh, layout, mp_policy)
 
@@ -58,4 +61,5 @@ def build_trainer(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.
     model = build_model(cfg, layout, mesh, device, spec.seed)
     optimizer = build_optimizer(model, mesh, layout, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
     # Under TP the logits stay vocab-sharded and the loss is computed on the shards.
-    return Trainer(model, optimizer, loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext)
+    return Trainer(model, optimizer, loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext,
+                   shard_batch=HeadTailSharder(mesh["cp"]) if layout.cp > 1 else None)

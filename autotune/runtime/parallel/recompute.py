@@ -2,25 +2,28 @@
 
     none       every activation the backward needs is kept from the forward.
     selective  each block is checkpointed with an op policy (torch's selective activation
-               checkpoint): the outputs of the matmuls, of fused attention kernels and
-               of the collectives that end a tensor-parallel half (all-reduce,
-               reduce-scatter) are kept; everything else (RMSNorm, RoPE, SiLU and
-               gating, casts) is recomputed from them in backward. Those element-wise
-               ops cost few FLOPs but hold much of a block's activation memory (about
-               40% on the tiny preset, measured by the tests). Sequence-parallel
-               all-gathers are recomputed (one more all-gather per half), as in Megatron.
-               Attention without a fused kernel (the math path) is recomputed too,
-               which drops its seq^2 scores: Megatron's "selective" recompute.
+               checkpoint): the outputs of the matmuls, of fused attention kernels
+               (context parallel's ring attention included, as one kernel whose
+               transfers are not replayed) and of the collectives that end a
+               tensor-parallel half (all-reduce, reduce-scatter) are kept; everything
+               else (RMSNorm, RoPE, SiLU and gating, casts) is recomputed from them in
+               backward. Those element-wise ops cost few FLOPs but hold much of a
+               block's activation memory (about 40% on the tiny preset, measured by
+               the tests). Sequence-parallel all-gathers are recomputed (one more
+               all-gather per half), as in Megatron. Attention without a fused kernel
+               (the math path) is recomputed too, which drops its seq^2 scores:
+               Megatron's "selective" recompute.
     full       each transformer block is recomputed from its input: a block keeps one
                [batch, seq, hidden] tensor (seq/tp with sequence parallel) instead of all
                its intermediates, for about one more forward of the whole model
                (~1/3 more compute).
 
 Applied after tensor and context parallel (so the recomputed code is the parallel
-code, collectives included, and CP's ring attention runs inside the checkpoint) and
-before FSDP (so FSDP's hooks see the checkpointed block as one unit). The wrappers are
-torch's non-reentrant `checkpoint_wrapper`; they add `_checkpoint_wrapped_module.` to
-parameter names, which init and the tests strip.
+code, collectives included; under full recompute CP's ring attention runs again, its
+KV blocks passing round the ring once more) and before FSDP (so FSDP's hooks see the
+checkpointed block as one unit). The wrappers are torch's non-reentrant
+`checkpoint_wrapper`; they add `_checkpoint_wrapped_module.` to parameter names,
+which init and the tests strip.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autotune_kernels.attention import RING_ATTENTION_OP
+
 aten = torch.ops.aten
 # The ops whose outputs selective recompute keeps.
 SAVED_OPS = {
@@ -40,6 +45,7 @@ SAVED_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
+    RING_ATTENTION_OP,  # context parallel's ring: kept whole, its P2P transfers never replayed
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
