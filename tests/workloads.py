@@ -61,14 +61,30 @@ def late_rank(rank: int, sleep_s: float, late: int = 1, count: int = 4):
     return step
 
 
-def overlapped(rank: int, numel: int, count: int):
-    """An asynchronous all-reduce with enough compute behind it to hide it."""
-    a, buffer = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.ones(numel)
+def overlapped(rank: int, numel: int, n: int, late_s: float, late: int = 1):
+    """An asynchronous all-reduce behind one n x n matmul; rank `late` sleeps before it, so
+    the others' collectives wait for it while they compute. One long operator: its
+    interval has no gaps in which a busy machine could run the collective uncovered."""
+    a, buffer = torch.randn(n, n), torch.ones(numel)
 
     def step():
+        if rank == late:
+            time.sleep(late_s)
         work = dist.all_reduce(buffer, async_op=True)
-        matmuls(a, count)
+        a @ a
         work.wait()
+    return step
+
+
+def sequential(rank: int, numel: int, n: int, late_s: float, late: int = 1):
+    """The same work as `overlapped`, the all-reduce after the matmul."""
+    a, buffer = torch.randn(n, n), torch.ones(numel)
+
+    def step():
+        if rank == late:
+            time.sleep(late_s)
+        a @ a
+        dist.all_reduce(buffer)
     return step
 
 
@@ -88,7 +104,7 @@ def allocate(rank: int, resident_bytes: int = 0, extra_bytes: int = 0):
 
 def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: int, steps: int,
             out_dir: str) -> None:
-    from autotune.runtime.profiling import StepProfiler
+    from autotune.runtime.profiling import StepProfiler, communication_intervals, intersect, step_spans, total
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
@@ -102,8 +118,10 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: in
                 with profiler.step():
                     step()
         figures = profiler.figures
+        comm = communication_intervals(profiler.events)
         mine = dict(dataclasses.asdict(figures), comm_fraction=figures.comm_fraction,
-                    exposed_comm_fraction=figures.exposed_comm_fraction)
+                    exposed_comm_fraction=figures.exposed_comm_fraction,
+                    step_comm_s=[total(intersect(comm, [span])) / 1e9 for span in step_spans(profiler.events)])
         everyone = [None] * world_size
         dist.all_gather_object(everyone, mine)
         results.append(everyone)
@@ -115,7 +133,8 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: in
 
 
 def profile_workloads(world_size: int, cases: list, warmup: int = 1, steps: int = 3) -> list[list[dict]]:
-    """For each (make, options): the RankFigures of every rank, as dicts with the fractions."""
+    """For each (make, options): the RankFigures of every rank, as dicts with the fractions
+    and `step_comm_s`, the communication time inside each measured step."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), cases, warmup, steps, tmp),
                            nprocs=world_size, start_method="spawn")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import statistics
 import warnings
 from dataclasses import dataclass
 
@@ -196,7 +195,10 @@ def live_tensor_bytes(device: torch.device) -> int:
             continue
         if obj.device.type != device.type or obj.layout != torch.strided:
             continue
-        storage = obj.untyped_storage()
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a functional or fake tensor)
+            continue
         if storage.nbytes():
             storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(storages.values())
@@ -226,10 +228,6 @@ class RankFigures:
     @property
     def exposed_comm_fraction(self) -> float:
         return self.exposed_comm_s / self.measured_s
-
-    @property
-    def step_time_s(self) -> float:
-        return statistics.median(self.step_times_s)
 
 
 def analyze(events: list[Event], peak_mem_bytes: int, resident_mem_bytes: int) -> RankFigures:
@@ -268,6 +266,7 @@ class StepProfiler:
     def __init__(self, device: torch.device, warmup: int, steps: int, trace_file: str | None = None):
         self.device, self.warmup, self.steps, self.trace_file = device, warmup, steps, trace_file
         self.figures: RankFigures | None = None
+        self.events: list[Event] = []  # what the figures were computed from
         self._done = 0
         self._resident = 0
         self._cuda_peak = 0
@@ -317,8 +316,8 @@ class StepProfiler:
             peak = self._cuda_peak
         else:
             peak = self._resident + allocation_peak(profiler_allocations(result, "cpu"))
-        events = [Event.from_kineto(e) for e in result.events()]
-        self.figures = analyze(events, peak, self._resident)
+        self.events = [Event.from_kineto(e) for e in result.events()]
+        self.figures = analyze(self.events, peak, self._resident)
         if len(self.figures.step_times_s) != self.steps:
             raise RuntimeError(f"StepProfiler: recorded {len(self.figures.step_times_s)} steps, "
                                f"expected {self.steps}")
