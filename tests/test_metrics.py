@@ -132,3 +132,15 @@ def test_cli_rejects_a_bad_peak_and_an_unknown_hardware():
         out = subprocess.run([sys.executable, "-m", "autotune.cli", "trial", "--model", "tiny", "--gpus", "2", *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and field in out.stderr and len(out.stderr.strip().splitlines()) == 1, out
+
+
+def test_cli_trial_whose_allocation_fails_is_pruned_oom(tmp_path):
+    # A 4 TiB embedding: the CPU allocator refuses it when the weights are materialised.
+    model = tmp_path / "huge.yaml"
+    model.write_text("vocab_size: 16777216\nhidden_size: 65536\nnum_layers: 1\nnum_heads: 64\n"
+                     "ffn_hidden_size: 128\nseq_len: 8\nglobal_batch_size: 2\ndtype: fp32\n")
+    out = subprocess.run([sys.executable, "-m", "autotune.cli", "trial", "--model", str(model), "--gpus", "1",
+                          "--json"], capture_output=True, text=True, timeout=120)
+    r = json.loads(out.stdout)
+    assert (out.returncode, r["status"], r["reason"]) == (1, "pruned", "oom"), r
+    assert "can't allocate memory" in r["error"]

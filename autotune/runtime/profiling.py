@@ -34,6 +34,7 @@ import contextlib
 import gc
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.autograd import DeviceType
@@ -101,26 +102,36 @@ def total(intervals: list[Interval]) -> int:
 
 # -- events ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Event:
-    """The part of a profiler event the analysis reads."""
+class Event(NamedTuple):
+    """The part of a profiler event the analysis reads (a tuple: a trial has ~10^5 a step)."""
 
     name: str
-    kind: str  # the profiler's activity type: cpu_op, user_annotation, kernel, gpu_memcpy, ...
+    kind: str  # GPU events: the profiler's activity type (kernel, gpu_memcpy, ...); CPU: cpu_op, user_annotation
     device: str  # "cpu" or "cuda"
     thread: int
     start_ns: int
     end_ns: int
 
-    @classmethod
-    def from_kineto(cls, e) -> "Event":
-        return cls(name=e.name(), kind=e.activity_type(),
-                   device="cuda" if e.device_type() == DeviceType.CUDA else "cpu",
-                   thread=e.start_thread_id(), start_ns=e.start_ns(), end_ns=e.end_ns())
-
     @property
     def interval(self) -> Interval:
         return (self.start_ns, self.end_ns)
+
+
+# CPU events the analysis reads; the rest (autograd and module annotations, memory
+# records, Python-level ops) are skipped when the profiler's result is read.
+CPU_PREFIXES = ("aten::", GLOO_PREFIX, STEP_EVENT) + BLOCKING_COMM_PREFIXES
+
+
+def read_events(result) -> list[Event]:
+    """Every GPU event and the CPU events the analysis reads, from the profiler's result."""
+    events = []
+    for e in result.events():
+        name = e.name()
+        if e.device_type() == DeviceType.CUDA:
+            events.append(Event(name, e.activity_type(), "cuda", e.start_thread_id(), e.start_ns(), e.end_ns()))
+        elif name.startswith(CPU_PREFIXES):
+            events.append(Event(name, e.activity_type(), "cpu", e.start_thread_id(), e.start_ns(), e.end_ns()))
+    return events
 
 
 def is_communication(e: Event) -> bool:
@@ -316,7 +327,7 @@ class StepProfiler:
             peak = self._cuda_peak
         else:
             peak = self._resident + allocation_peak(profiler_allocations(result, "cpu"))
-        self.events = [Event.from_kineto(e) for e in result.events()]
+        self.events = read_events(result)
         self.figures = analyze(self.events, peak, self._resident)
         if len(self.figures.step_times_s) != self.steps:
             raise RuntimeError(f"StepProfiler: recorded {len(self.figures.step_times_s)} steps, "

@@ -27,7 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from autotune.config import load_hardware, model_from_dict
+from autotune.config import ModelConfig, load_hardware, model_from_dict
 from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
 from autotune.runtime.mesh import ParallelDims
@@ -65,7 +65,7 @@ def memory_budget(spec: TrialSpec, device: torch.device) -> int | None:
     return budget
 
 
-def compute_dtype(cfg, device: torch.device) -> torch.dtype:
+def compute_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """The dtype the calibration GEMM runs in: CPU trials train in fp32."""
     return torch.bfloat16 if device.type == "cuda" and cfg.dtype == "bf16" else torch.float32
 
@@ -132,8 +132,8 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     return result
 
 
-def measurements(cfg, world_size: int, per_rank: list[dict], flops_source: str) -> dict:
-    """The trial's figures from every rank's (README "Metrics", DESIGN section 3):
+def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_source: str) -> dict:
+    """The trial's figures from every rank's (README "Metrics"):
 
         step_time_s          = median over measured steps of (max over ranks of the step's wall time)
         tokens_per_s         = global_batch_size * seq_len / step_time_s
