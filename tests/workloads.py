@@ -88,6 +88,36 @@ def sequential(rank: int, numel: int, n: int, late_s: float, late: int = 1):
     return step
 
 
+def every_collective(rank: int):
+    """One of each collective the runtime uses, and a point-to-point exchange."""
+    x, peer = torch.ones(1024), 1 - rank
+
+    def step():
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(torch.empty(2 * x.numel()), x)
+        dist.reduce_scatter_tensor(torch.empty(x.numel() // 2), x)
+        dist.all_to_all_single(torch.empty_like(x), x)
+        dist.broadcast(x, 0)
+        dist.barrier()
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer),
+                                            dist.P2POp(dist.irecv, torch.empty_like(x), peer)]):
+            work.wait()
+    return step
+
+
+def late_sender(rank: int, sleep_s: float):
+    """Rank 1 sleeps, then sends to rank 0, which is already waiting to receive."""
+    x = torch.ones(1024)
+
+    def step():
+        if rank == 1:
+            time.sleep(sleep_s)
+            dist.send(x, 0)
+        else:
+            dist.recv(x, 1)
+    return step
+
+
 def allocate(rank: int, resident_bytes: int = 0, extra_bytes: int = 0):
     """Holds `resident_bytes` across steps; each step's peak is two 4 MiB temporaries plus
     an `extra_bytes` tensor alive at the same time."""
@@ -104,7 +134,8 @@ def allocate(rank: int, resident_bytes: int = 0, extra_bytes: int = 0):
 
 def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: int, steps: int,
             out_dir: str) -> None:
-    from autotune.runtime.profiling import StepProfiler, communication_intervals, intersect, step_spans, total
+    from autotune.runtime.profiling import (StepProfiler, communication_intervals, intersect, is_communication,
+                                            step_spans, total)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
@@ -121,7 +152,8 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: in
         comm = communication_intervals(profiler.events)
         mine = dict(dataclasses.asdict(figures), comm_fraction=figures.comm_fraction,
                     exposed_comm_fraction=figures.exposed_comm_fraction,
-                    step_comm_s=[total(intersect(comm, [span])) / 1e9 for span in step_spans(profiler.events)])
+                    step_comm_s=[total(intersect(comm, [span])) / 1e9 for span in step_spans(profiler.events)],
+                    comm_events=sorted({e.name for e in profiler.events if is_communication(e)}))
         everyone = [None] * world_size
         dist.all_gather_object(everyone, mine)
         results.append(everyone)
@@ -134,7 +166,8 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: in
 
 def profile_workloads(world_size: int, cases: list, warmup: int = 1, steps: int = 3) -> list[list[dict]]:
     """For each (make, options): the RankFigures of every rank, as dicts with the fractions
-    and `step_comm_s`, the communication time inside each measured step."""
+    `step_comm_s`, the communication time inside each measured step, and `comm_events`, the
+    names of the events counted as communication."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), cases, warmup, steps, tmp),
                            nprocs=world_size, start_method="spawn")
