@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,10 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
     p.add_argument("--timeout", type=positive_float, default=DEFAULT_TRIAL_TIMEOUT_S,
                    help=f"wall-clock limit in seconds (default {DEFAULT_TRIAL_TIMEOUT_S:.0f})")
+    p.add_argument("--peak-tflops", type=positive_float, default=None,
+                   help="peak TFLOP/s of one device for MFU (default: hardware preset, else a calibration GEMM)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="write each rank's profiler trace (Chrome/Perfetto JSON) to DIR/rank<N>.json")
     add_trial_options(p)
     p.set_defaults(func=cmd_trial)
 
@@ -182,9 +187,12 @@ def cmd_trial(args) -> int:
 
     model = load_model(args.model)
     layout = resolve(args.layout, model, args.gpus)
+    if args.hardware:
+        load_hardware(args.hardware)  # a bad preset or file is a usage error here, not in every rank
     spec = TrialSpec(model=dataclasses.asdict(model), layout=str(layout), steps=args.steps,
                      warmup=args.warmup, seed=args.seed, device=args.device,
-                     memory_budget_gb=args.memory_budget_gb, hardware=args.hardware)
+                     memory_budget_gb=args.memory_budget_gb, hardware=args.hardware,
+                     peak_tflops=args.peak_tflops, trace_dir=os.path.abspath(args.trace) if args.trace else None)
     stderr.print(f"[bold]trial[/] {model.name} on {args.gpus} {args.device} ranks: {layout.short()}")
     result = run_trial(spec, args.gpus, timeout_s=args.timeout)
     if args.json:
@@ -194,18 +202,29 @@ def cmd_trial(args) -> int:
     return 0 if result["status"] == "complete" else 1
 
 
+TRIAL_FIGURES = ("layout", "world_size", "grad_accum", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
+                 "mfu", "peak_tflops", "peak_tflops_source", "peak_mem_bytes", "memory_budget_bytes",
+                 "comm_fraction", "comm_fraction_mean", "exposed_comm_fraction", "exposed_comm_fraction_mean")
+
+
 def print_trial(result: dict) -> None:
+    """The figures of a measured trial (a trial pruned over its memory budget has them too)."""
     console = Console()
     if result["status"] != "complete":
         console.print(f"[bold red]{result['status']}/{result['reason']}[/]: {result.get('error', '')}")
         if result.get("stderr_tail"):
             console.print(result["stderr_tail"], markup=False, highlight=False)
+    if "losses" not in result:
         return
     table = Table(show_header=False, box=None)
-    for key in ("layout", "world_size", "grad_accum", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu"):
+    for key in TRIAL_FIGURES:
         value = result.get(key)
+        if key.endswith("_bytes") and value is not None:
+            value = f"{value / 2**30:,.4g} GiB"
         table.add_row(key, f"{value:,.4g}" if isinstance(value, float) else str(value))
     table.add_row("losses", " ".join(f"{x:.4f}" for x in result["losses"]))
+    for trace in result.get("trace_files", []):
+        table.add_row("trace", trace)
     console.print(table)
 
 

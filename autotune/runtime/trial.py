@@ -1,4 +1,7 @@
-"""What every rank of a trial runs: build -> parallelize -> warm up -> measure -> emit JSON.
+"""What every rank of a trial runs: build -> parallelize -> warm up -> profile -> emit JSON.
+
+The measured steps run under torch.profiler (runtime/profiling.py); after them every
+rank's figures are gathered once and turned into the trial's metrics (README "Metrics").
 
 Started by the launcher (torchrun or srun) as `python -m autotune.runtime.trial --spec JSON`.
 Rank 0 prints the result as one line `AUTOTUNE_RESULT {...}` on stdout; a rank that
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -23,12 +27,17 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from autotune.config import model_from_dict
+from autotune.config import ModelConfig, load_hardware, model_from_dict
 from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
 from autotune.runtime.mesh import ParallelDims
 from autotune.runtime.parallelize import build_trainer
+from autotune.runtime.peak_flops import peak_flops
+from autotune.runtime.profiling import StepProfiler
 from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec
+
+
+GIB = 2**30
 
 
 def trial_device(spec: TrialSpec) -> torch.device:
@@ -39,9 +48,26 @@ def trial_device(spec: TrialSpec) -> torch.device:
     return torch.device("cpu")
 
 
-def synchronize(device: torch.device) -> None:
+def memory_budget(spec: TrialSpec, device: torch.device) -> int | None:
+    """Bytes a rank may hold: --memory-budget-gb (GiB), else the --hardware preset's memory,
+    else on CUDA the device's memory; on the CPU none unless given.
+
+    On CUDA the budget is also the allocator's limit (per-process memory fraction), so a
+    smaller GPU is emulated by a real OutOfMemoryError where it would have run out."""
+    gib = spec.memory_budget_gb
+    if gib is None and spec.hardware:
+        gib = load_hardware(spec.hardware).memory_gb or None
+    budget = int(gib * GIB) if gib else None
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        budget = budget or capacity
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / capacity), device)
+    return budget
+
+
+def compute_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype the calibration GEMM runs in: CPU trials train in fp32."""
+    return torch.bfloat16 if device.type == "cuda" and cfg.dtype == "bf16" else torch.float32
 
 
 def run(spec: TrialSpec, keep: dict | None = None) -> dict:
@@ -52,32 +78,38 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     cfg = model_from_dict(spec.model)
     layout = resolve(spec.layout, cfg, dist.get_world_size())
     device = trial_device(spec)
+    budget = memory_budget(spec, device)
     dims = ParallelDims.from_layout(layout)
     mesh = dims.build_mesh(device.type)
     trainer = build_trainer(cfg, layout, mesh, device, spec)
     if keep is not None:
         keep.update(trainer=trainer, mesh=mesh)
 
+    dist.barrier()  # every rank calibrates at once, as every rank trains at once
+    flops, flops_source = peak_flops(spec.peak_tflops, spec.hardware, device, compute_dtype(cfg, device))
+    trace_file = None
+    if spec.trace_dir:
+        os.makedirs(spec.trace_dir, exist_ok=True)
+        trace_file = os.path.join(spec.trace_dir, f"rank{dist.get_rank()}.json")
+
     grad_accum = layout.grad_accum(cfg)
     dp_rank = mesh["dp"].get_local_rank()
-    local_losses, step_times = [], []
-    for step in range(spec.warmup + spec.steps):
-        batches = [(x.to(device), y.to(device)) for x, y in micro_batches(
-            spec.seed, step, dp_rank, layout.mbs, grad_accum, cfg.seq_len, cfg.vocab_size)]
-        synchronize(device)
-        start = time.perf_counter()
-        local_losses.append(trainer.step(batches))
-        synchronize(device)
-        step_times.append(time.perf_counter() - start)
+    local_losses = []
+    with StepProfiler(device, spec.warmup, spec.steps, trace_file) as profiler:
+        for step in range(spec.warmup + spec.steps):
+            batches = [(x.to(device), y.to(device)) for x, y in micro_batches(
+                spec.seed, step, dp_rank, layout.mbs, grad_accum, cfg.seq_len, cfg.vocab_size)]
+            with profiler.step():
+                local_losses.append(trainer.step(batches))
 
     losses = global_losses(torch.stack(local_losses), mesh)
-    # A step ends when its slowest rank ends: the step time is the max over ranks.
-    times = torch.tensor(step_times, dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    measured = times[spec.warmup:].tolist()
-    step_time = statistics.median(measured)
-    tokens_per_step = cfg.global_batch_size * cfg.seq_len
-    return {
+    # One gather after the measured steps, so measuring adds no communication to them.
+    mine = dict(dataclasses.asdict(profiler.figures), comm_fraction=profiler.figures.comm_fraction,
+                exposed_comm_fraction=profiler.figures.exposed_comm_fraction, peak_flops=flops)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+
+    result = {
         "status": "complete",
         "reason": None,
         "model": cfg.name,
@@ -88,12 +120,55 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         "steps": spec.steps,
         "warmup": spec.warmup,
         "losses": losses,
-        "step_times_s": measured,
-        "step_time_s": step_time,
-        "tokens_per_s": tokens_per_step / step_time,
-        "tokens_per_s_per_gpu": tokens_per_step / step_time / layout.world_size,
+        **measurements(cfg, layout.world_size, per_rank, flops_source),
+        "memory_budget_bytes": budget,
         "torch_version": torch.__version__,
     }
+    if budget is not None and result["peak_mem_bytes"] > budget:
+        rank = result["peak_mem_bytes_per_rank"].index(result["peak_mem_bytes"])
+        result.update(status="pruned", reason="oom",
+                      error=f"rank {rank}: peak {result['peak_mem_bytes'] / GIB:.3f} GiB is over the memory "
+                            f"budget of {budget / GIB:.3f} GiB")
+    return result
+
+
+def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_source: str) -> dict:
+    """The trial's figures from every rank's (README "Metrics"):
+
+        step_time_s          = median over measured steps of (max over ranks of the step's wall time)
+        tokens_per_s         = global_batch_size * seq_len / step_time_s
+        mfu                  = flops_per_token * tokens_per_s / (world_size * peak_flops)
+        peak_mem_bytes       = max over ranks of the rank's peak
+        comm_fraction        = max over ranks (and _mean) of comm time / measured time
+        exposed_comm_fraction likewise, for communication not overlapped by compute
+
+    peak_flops is the mean over ranks of each rank's figure (they differ only when each
+    rank calibrated its own), so world_size * peak_flops is the sum of the ranks' peaks."""
+    step_times = [max(steps) for steps in zip(*(r["step_times_s"] for r in per_rank))]
+    step_time = statistics.median(step_times)
+    tokens_per_s = cfg.global_batch_size * cfg.seq_len / step_time
+    flops = statistics.fmean(r["peak_flops"] for r in per_rank)
+    figures = {
+        "step_times_s": step_times,
+        "step_time_s": step_time,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": tokens_per_s / world_size,
+        "flops_per_token": cfg.flops_per_token(),
+        "peak_tflops": flops / 1e12,
+        "peak_tflops_source": flops_source,
+        "mfu": cfg.flops_per_token() * tokens_per_s / (world_size * flops),
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
+    }
+    for name in ("comm_fraction", "exposed_comm_fraction"):
+        values = [r[name] for r in per_rank]
+        figures.update({name: max(values), f"{name}_mean": statistics.fmean(values)})
+    figures.update({f"{name}_per_rank": [r[name] for r in per_rank] for name in (
+        "step_times_s", "peak_mem_bytes", "resident_mem_bytes", "comm_fraction", "exposed_comm_fraction")})
+    figures["peak_tflops_per_rank"] = [r["peak_flops"] / 1e12 for r in per_rank]
+    traces = [r["trace_file"] for r in per_rank if r["trace_file"]]
+    if traces:
+        figures["trace_files"] = traces
+    return figures
 
 
 def global_losses(local: torch.Tensor, mesh) -> list[float]:
@@ -120,11 +195,16 @@ def die_with_parent() -> None:
         pass
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError naming itself."""
+    return isinstance(exc, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
 def report_error(exc: BaseException) -> None:
     error = {
         "rank": int(os.environ.get("RANK", 0)),
         "type": type(exc).__name__,
-        "oom": isinstance(exc, torch.OutOfMemoryError),
+        "oom": is_out_of_memory(exc),
         "message": str(exc).strip().splitlines()[-1][:500] if str(exc).strip() else "",
         "time": time.time(),
     }

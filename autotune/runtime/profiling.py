@@ -1,0 +1,338 @@
+"""torch.profiler -> step times, communication and compute intervals, peak memory, per rank.
+
+A trial runs `warmup + steps` optimizer steps; the profiler's schedule skips the
+warm-up and records the last `steps` on every rank. From the recorded events:
+
+- step wall times: the `autotune.step` annotation that wraps each step (the device is
+  synchronised at both ends, so on a GPU it covers the kernels too);
+- communication: on the CPU, the `gloo:*` events. In torch 2.13 gloo emits a
+  `gloo:<collective>` annotation (all_reduce, all_gather, all_to_all, broadcast,
+  barrier, ...; a reduce-scatter shows as `gloo:all_reduce`) on its worker threads, and
+  `gloo:send` / `gloo:recv` on the thread that posted a point-to-point transfer, each
+  ending when the transfer completes. On a GPU, the `nccl*` kernels on any stream. Several
+  threads and streams run at once, so they are merged into one interval union. An event
+  covers the whole collective including the time spent waiting for the slowest rank:
+  waiting counts as communication, as it does for an NCCL kernel spinning on a GPU;
+- compute: on the CPU, the `aten::*` operators on every thread except gloo's worker
+  threads (whose operators are the copies and sums of a collective), minus the blocking
+  communication calls nested in them (a DTensor operator waits for its redistribution
+  inside its own `aten::` event); on a GPU, every kernel that is not NCCL's;
+- exposed communication: communication not overlapped by compute.
+
+Peak memory is bytes of live tensors, not process RSS. CUDA: the caching allocator's
+`max_memory_allocated` over the measured steps. CPU: the tensors alive when measuring
+starts (every storage Python can reach, each counted once) plus the highest running
+sum of the profiler's memory events in the measured steps (an allocation adds its
+bytes, the free of a block allocated in that window subtracts them). A tensor alive
+at the start therefore counts for the whole window even if freed inside it; between
+two training steps that is the persistent state (weights, optimizer state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch.autograd import DeviceType
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+STEP_EVENT = "autotune.step"
+GLOO_PREFIX = "gloo:"
+GLOO_POINT_TO_POINT = ("gloo:send", "gloo:recv")
+# Operators by which a compute thread issues or waits for a collective: not compute.
+BLOCKING_COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
+
+Interval = tuple[int, int]  # [start, end) in nanoseconds
+
+
+# -- interval arithmetic -----------------------------------------------------------------------
+
+def union(intervals) -> list[Interval]:
+    """Sorted, disjoint intervals covering exactly the same time as the input."""
+    merged: list[list[int]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Time covered by both (inputs are unions, as `union` returns)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Time covered by a and not by b (inputs are unions)."""
+    out = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def total(intervals: list[Interval]) -> int:
+    return sum(end - start for start, end in intervals)
+
+
+# -- events ------------------------------------------------------------------------------------
+
+class Event(NamedTuple):
+    """The part of a profiler event the analysis reads (a NamedTuple, cheap to make: a step
+    of a small model on the CPU records some 10^5 events)."""
+
+    name: str
+    kind: str  # GPU events: the profiler's activity type (kernel, gpu_memcpy, ...); CPU: cpu_op, user_annotation
+    device: str  # "cpu" or "cuda"
+    thread: int
+    start_ns: int
+    end_ns: int
+
+    @property
+    def interval(self) -> Interval:
+        return (self.start_ns, self.end_ns)
+
+
+# CPU events the analysis reads; the rest (autograd and module annotations, memory
+# records, Python-level ops) are skipped when the profiler's result is read.
+CPU_PREFIXES = ("aten::", GLOO_PREFIX, STEP_EVENT) + BLOCKING_COMM_PREFIXES
+
+
+def read_events(result) -> list[Event]:
+    """Every GPU event and the CPU events the analysis reads, from the profiler's result."""
+    events = []
+    for e in result.events():
+        name = e.name()
+        if e.device_type() == DeviceType.CUDA:
+            events.append(Event(name, e.activity_type(), "cuda", e.start_thread_id(), e.start_ns(), e.end_ns()))
+        elif name.startswith(CPU_PREFIXES):
+            events.append(Event(name, e.activity_type(), "cpu", e.start_thread_id(), e.start_ns(), e.end_ns()))
+    return events
+
+
+def is_communication(e: Event) -> bool:
+    """gloo's annotations on the CPU; NCCL's kernels on a GPU (not NCCL's CPU-side
+    `nccl:*` annotations, which end when the kernel is enqueued)."""
+    if e.device == "cpu":
+        return e.name.startswith(GLOO_PREFIX)
+    return e.kind == "kernel" and e.name.lower().startswith("nccl")
+
+
+def step_spans(events: list[Event]) -> list[Interval]:
+    return sorted(e.interval for e in events if e.device == "cpu" and e.name == STEP_EVENT)
+
+
+def communication_intervals(events: list[Event]) -> list[Interval]:
+    return union(e.interval for e in events if is_communication(e))
+
+
+def compute_intervals(events: list[Event]) -> list[Interval]:
+    """GPU: non-NCCL kernels. CPU: aten operators off gloo's worker threads, minus the
+    blocking communication calls on those threads."""
+    kernels = [e.interval for e in events if e.device == "cuda" and e.kind == "kernel" and not is_communication(e)]
+    gloo_workers = {e.thread for e in events if e.device == "cpu" and e.name.startswith(GLOO_PREFIX)
+                    and e.name not in GLOO_POINT_TO_POINT}
+    on_compute_threads = [e for e in events if e.device == "cpu" and e.thread not in gloo_workers]
+    operators = union(e.interval for e in on_compute_threads if e.name.startswith("aten::"))
+    blocking = union(e.interval for e in on_compute_threads if e.name.startswith(BLOCKING_COMM_PREFIXES))
+    return union(kernels + subtract(operators, blocking))
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+def allocation_peak(allocations: list[tuple[int, int, int]]) -> int:
+    """Highest running sum of bytes allocated in the window and not yet freed.
+
+    allocations: (time_ns, ptr, bytes) with bytes < 0 for a free, as the profiler reports
+    them. The free of a block allocated before the window is ignored (it was counted in
+    the tensors alive at the start, which this does not see)."""
+    live: dict[int, int] = {}
+    current = peak = 0
+    for _, ptr, size in sorted(allocations, key=lambda a: a[0]):
+        if size > 0:
+            live[ptr] = size
+            current += size
+            peak = max(peak, current)
+        elif ptr in live:
+            current -= live.pop(ptr)
+    return peak
+
+
+def profiler_allocations(result, device_type: str) -> list[tuple[int, int, int]]:
+    """(time_ns, ptr, bytes) of every allocation and free the profiler saw on that device type."""
+    out, stack = [], list(result.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == device_type:
+                out.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+    return out
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of the storages of every tensor on `device` that Python can reach, each once.
+
+    Wrapper subclasses (DTensor) own no storage; their local tensors are found on their own."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor) or is_traceable_wrapper_subclass(obj):
+            continue
+        if obj.device.type != device.type or obj.layout != torch.strided:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a functional or fake tensor)
+            continue
+        if storage.nbytes():
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(storages.values())
+
+
+# -- one rank's figures ------------------------------------------------------------------------
+
+@dataclass
+class RankFigures:
+    """What one rank measured over the measured steps."""
+
+    step_times_s: list[float]
+    comm_s: float  # union of communication intervals inside the steps
+    exposed_comm_s: float  # the part of it not overlapped by compute
+    peak_mem_bytes: int
+    resident_mem_bytes: int  # tensors alive when measuring started
+    trace_file: str | None = None
+
+    @property
+    def measured_s(self) -> float:
+        return sum(self.step_times_s)
+
+    @property
+    def comm_fraction(self) -> float:
+        return self.comm_s / self.measured_s
+
+    @property
+    def exposed_comm_fraction(self) -> float:
+        return self.exposed_comm_s / self.measured_s
+
+
+def analyze(events: list[Event], peak_mem_bytes: int, resident_mem_bytes: int) -> RankFigures:
+    """Step times and (exposed) communication time of one rank's recorded events."""
+    steps = step_spans(events)
+    in_steps = union(steps)
+    comm = intersect(communication_intervals(events), in_steps)
+    exposed = subtract(comm, compute_intervals(events))
+    return RankFigures(step_times_s=[(end - start) / 1e9 for start, end in steps],
+                       comm_s=total(comm) / 1e9, exposed_comm_s=total(exposed) / 1e9,
+                       peak_mem_bytes=peak_mem_bytes, resident_mem_bytes=resident_mem_bytes)
+
+
+# -- the profiler around a training loop -------------------------------------------------------
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepProfiler:
+    """Profile the last `steps` of a loop of `warmup + steps` steps on this rank:
+
+        with StepProfiler(device, warmup, steps) as profiler:
+            for _ in range(warmup + steps):
+                inputs = ...
+                with profiler.step():
+                    train_step(inputs)
+        profiler.figures  # RankFigures
+
+    The profiler's own warm-up (tracing set up, events dropped) is the last warm-up step,
+    so that starting the tracer costs no measured step. Memory events are recorded on
+    the CPU only; CUDA has allocator statistics.
+    """
+
+    def __init__(self, device: torch.device, warmup: int, steps: int, trace_file: str | None = None):
+        self.device, self.warmup, self.steps, self.trace_file = device, warmup, steps, trace_file
+        self.figures: RankFigures | None = None
+        self.events: list[Event] = []  # what the figures were computed from
+        self._done = 0
+        self._resident = 0
+        self._cuda_peak = 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with warnings.catch_warnings():  # "won't be using warmup": intended when warmup is 0
+            warnings.simplefilter("ignore")
+            measured = schedule(wait=max(warmup - 1, 0), warmup=min(warmup, 1), active=steps, repeat=1)
+        self._profiler = profile(activities=activities, schedule=measured, on_trace_ready=self._trace_ready,
+                                 profile_memory=device.type == "cpu")
+
+    def __enter__(self) -> "StepProfiler":
+        self._profiler.__enter__()
+        if self.warmup == 0:
+            self._start_measuring()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profiler.__exit__(*exc)
+        if exc[0] is None and self.figures is None:
+            raise RuntimeError(f"StepProfiler: {self._done} steps run, {self.warmup + self.steps} expected")
+
+    @contextlib.contextmanager
+    def step(self):
+        """One training step: timed between two device synchronisations."""
+        synchronize(self.device)
+        with record_function(STEP_EVENT):
+            yield
+            synchronize(self.device)
+        if self.device.type == "cuda" and self._done == self.warmup + self.steps - 1:
+            self._cuda_peak = torch.cuda.max_memory_allocated(self.device)
+        self._done += 1
+        self._profiler.step()  # after the last measured step this stops and analyses
+        if self._done == self.warmup:
+            self._start_measuring()
+
+    def _start_measuring(self) -> None:
+        """The recording has just begun: note what is resident and reset the peak."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._resident = torch.cuda.memory_allocated(self.device)
+        else:
+            self._resident = live_tensor_bytes(self.device)
+
+    def _trace_ready(self, prof) -> None:
+        result = prof.profiler.kineto_results
+        if self.device.type == "cuda":
+            peak = self._cuda_peak
+        else:
+            peak = self._resident + allocation_peak(profiler_allocations(result, "cpu"))
+        self.events = read_events(result)
+        self.figures = analyze(self.events, peak, self._resident)
+        if len(self.figures.step_times_s) != self.steps:
+            raise RuntimeError(f"StepProfiler: recorded {len(self.figures.step_times_s)} steps, "
+                               f"expected {self.steps}")
+        if self.trace_file:
+            prof.export_chrome_trace(self.trace_file)
+            self.figures.trace_file = self.trace_file
