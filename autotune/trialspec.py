@@ -29,6 +29,9 @@ class TrialSpec:
     peak_tflops: float | None = None
     hardware: str | None = None
     trace_dir: str | None = None
+    # False: time the steps only, without torch.profiler (no communication or memory
+    # figures): for runs that only compare losses, where profiling is pure overhead.
+    profile: bool = True
     extra: dict = field(default_factory=dict)  # options later dimensions add
 
     def to_json(self) -> str:

@@ -77,7 +77,7 @@ def test_out_of_memory_errors_are_recognised():
 
 def test_trial_figures_follow_their_formulas():
     layout = str(resolve("mbs=2", TINY, 2))
-    r = run_layouts(2, [layout], steps=3, warmup=1)[0]
+    r = run_layouts(2, [layout], steps=3, warmup=1, profile=True)[0]
     assert r["status"] == "complete" and r["world_size"] == 2
     per_rank = r["step_times_s_per_rank"]
     assert len(per_rank) == 2 and all(len(steps) == 3 for steps in per_rank)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -258,6 +259,34 @@ def analyze(events: list[Event], peak_mem_bytes: int, resident_mem_bytes: int) -
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """StepProfiler's interface without torch.profiler: wall times of the measured steps
+    only (communication and memory figures are zero and reported as not measured)."""
+
+    def __init__(self, device: torch.device, warmup: int, steps: int):
+        self.device, self.warmup, self.steps = device, warmup, steps
+        self.times: list[float] = []
+
+    def __enter__(self) -> "StepTimer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def step(self):
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.times.append(time.perf_counter() - start)
+
+    @property
+    def figures(self) -> "RankFigures":
+        return RankFigures(step_times_s=self.times[self.warmup:], comm_s=0.0, exposed_comm_s=0.0,
+                           peak_mem_bytes=0, resident_mem_bytes=0)
 
 
 class StepProfiler:

@@ -33,11 +33,15 @@ from autotune.runtime.data import micro_batches
 from autotune.runtime.mesh import ParallelDims
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.peak_flops import peak_flops
-from autotune.runtime.profiling import StepProfiler
+from autotune.runtime.profiling import StepProfiler, StepTimer
 from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec
 
 
 GIB = 2**30
+UNMEASURED_WITHOUT_PROFILER = (
+    "peak_mem_bytes", "comm_fraction", "comm_fraction_mean", "exposed_comm_fraction", "exposed_comm_fraction_mean",
+    "peak_mem_bytes_per_rank", "resident_mem_bytes_per_rank", "comm_fraction_per_rank",
+    "exposed_comm_fraction_per_rank")
 
 
 def trial_device(spec: TrialSpec) -> torch.device:
@@ -95,7 +99,9 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     grad_accum = layout.grad_accum(cfg)
     dp_rank = mesh["dp"].get_local_rank()
     local_losses = []
-    with StepProfiler(device, spec.warmup, spec.steps, trace_file) as profiler:
+    profiler = StepProfiler(device, spec.warmup, spec.steps, trace_file) if spec.profile \
+        else StepTimer(device, spec.warmup, spec.steps)
+    with profiler:
         for step in range(spec.warmup + spec.steps):
             batches = [(x.to(device), y.to(device)) for x, y in micro_batches(
                 spec.seed, step, dp_rank, layout.mbs, grad_accum, cfg.seq_len, cfg.vocab_size)]
@@ -124,7 +130,10 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         "memory_budget_bytes": budget,
         "torch_version": torch.__version__,
     }
-    if budget is not None and result["peak_mem_bytes"] > budget:
+    if not spec.profile:  # timed only: nothing else was measured
+        for key in UNMEASURED_WITHOUT_PROFILER:
+            result.pop(key, None)
+    elif budget is not None and result["peak_mem_bytes"] > budget:
         rank = result["peak_mem_bytes_per_rank"].index(result["peak_mem_bytes"])
         result.update(status="pruned", reason="oom",
                       error=f"rank {rank}: peak {result['peak_mem_bytes'] / GIB:.3f} GiB is over the memory "
