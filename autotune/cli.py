@@ -118,6 +118,9 @@ def build_parser() -> Parser:
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="GPUs per node (default: the hardware's)")
     p.add_argument("--launcher", choices=("local",), default="local", help="how trials start (default local)")
+    p.add_argument("--trial-timeout", type=positive_float, default=None, metavar="S",
+                   help="wall-clock limit of each trial (default: 5x its predicted run time, at least "
+                        "180 s on CPU and 600 s on CUDA)")
     p.add_argument("--sampler", choices=SAMPLERS, default="model", help="default model (estimator-guided)")
     add_trial_options(p)
     p.set_defaults(func=cmd_run, steps=None, warmup=None)
@@ -167,6 +170,12 @@ def cmd_run(args) -> int:
     model = load_model(args.model)
     space = load_space(args.space)
     hardware = load_hardware(args.hardware or default_hardware(args.device))
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node > args.gpus:
+            raise UsageError(f"--gpus-per-node: must be <= --gpus ({args.gpus}), got {args.gpus_per_node}")
+        if args.gpus % args.gpus_per_node:
+            raise UsageError(f"--gpus-per-node: must divide --gpus ({args.gpus}): a trial uses whole nodes, "
+                             f"got {args.gpus_per_node}")
     options = space.options
     question = Question(
         model=dataclasses.asdict(model), gpus=args.gpus, space=dataclasses.asdict(space),
@@ -177,7 +186,8 @@ def cmd_run(args) -> int:
         device=args.device, steps=args.steps or options.get("steps", 5),
         warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
         gpus_per_node=args.gpus_per_node or hardware.gpus_per_node, launcher=args.launcher,
-        trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops)
+        trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops,
+        trial_timeout_s=args.trial_timeout)
     out = Path(args.out or f"results/{model.name}-{args.gpus}gpus")
     return run_sweep(question, out, storage=args.storage, study_name=args.study_name)
 

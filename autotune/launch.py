@@ -122,7 +122,11 @@ def kill_tree(pid: int) -> None:
 
 
 def _failed_ranks(stderr: str) -> list[tuple[int, int]]:
-    return [(int(rank), int(code)) for rank, code in _FAILURE.findall(stderr)]
+    """(rank, exit code) of the ranks torchrun saw fail, its root cause first: the ranks it
+    lists under "Failures" are often the ones it stopped (SIGTERM) after the root cause."""
+    before, _, root = stderr.rpartition("Root Cause (first observed failure):")
+    pairs = _FAILURE.findall(root) + _FAILURE.findall(before)
+    return [(int(rank), int(code)) for rank, code in pairs]
 
 
 def _failure(status: str, reason: str, error: str, tail: str) -> dict:

@@ -20,11 +20,13 @@ import dataclasses
 import fcntl
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
+import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from autotune.config import HardwareConfig, ModelConfig, model_from_dict
@@ -70,6 +72,7 @@ class Question:
     trials: int | None = None
     time_budget_s: float | None = None
     peak_tflops: float | None = None
+    trial_timeout_s: float | None = None  # None: from the estimate, with a floor
 
     @property
     def model_config(self) -> ModelConfig:
@@ -107,7 +110,12 @@ def open_study(question: Question, out: Path, storage: str | None, study_name: s
     url = storage or f"sqlite:///{out / 'study.db'}"
     name = study_name or f"{question.model['name']}-{question.gpus}gpus"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=name, storage=url, direction="maximize", load_if_exists=True)
+    try:
+        study = optuna.create_study(study_name=name, storage=url, direction="maximize", load_if_exists=True)
+    except sqlalchemy.exc.SQLAlchemyError as e:
+        where = out / "study.db" if storage is None else redact(storage)
+        raise UsageError(f"storage {where}: cannot open the study database "
+                         f"({redact(str(e.orig if getattr(e, 'orig', None) else e)).splitlines()[0]})") from None
     stored = study.user_attrs.get("question")
     if stored is None:
         study.set_user_attr("question", dataclasses.asdict(question))
@@ -219,6 +227,7 @@ class Controller:
         predicted_run = predicted.step_time_s * (self.q.steps + self.q.warmup)
         floor = TIMEOUT_FLOOR_S[self.q.device]
         timeout = max(floor, TIMEOUT_PREDICTION_FACTOR * predicted_run) if math.isfinite(predicted_run) else floor
+        timeout = self.q.trial_timeout_s or timeout
         trial_dir = self.out / "trials" / str(number)
         record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir)
         (trial_dir / "result.json").write_text(json.dumps(record, indent=2))
@@ -264,9 +273,17 @@ class Controller:
         """Start the tally from what the study already holds (a resumed sweep)."""
         for t in self.study.get_trials(deepcopy=False):
             status = t.user_attrs.get("status")
-            if status is None or t.user_attrs.get("reason") == "interrupted":
+            reason = t.user_attrs.get("reason")
+            if status is None or reason == "interrupted":
                 continue
             self.count(status, t.user_attrs, t.value if t.state == TrialState.COMPLETE else None)
+            if reason not in ("predicted_oom", "invalid"):
+                self.tally.launched += 1  # --trials counts launches over every run of the study
+
+
+def redact(text: str) -> str:
+    """A storage URL (or a message quoting one) with its password replaced by ***."""
+    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
 
 
 class TrialFailed(Exception):

@@ -309,6 +309,7 @@ class StepProfiler:
         self.figures: RankFigures | None = None
         self.events: list[Event] = []  # what the figures were computed from
         self._done = 0
+        self._failing = False
         self._resident = 0
         self._cuda_peak = 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -325,6 +326,7 @@ class StepProfiler:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._failing = exc[0] is not None  # the loop raised: analyse nothing, let its error through
         self._profiler.__exit__(*exc)
         if exc[0] is None and self.figures is None:
             raise RuntimeError(f"StepProfiler: {self._done} steps run, {self.warmup + self.steps} expected")
@@ -352,6 +354,8 @@ class StepProfiler:
             self._resident = live_tensor_bytes(self.device)
 
     def _trace_ready(self, prof) -> None:
+        if self._failing:
+            return
         result = prof.profiler.kineto_results
         if self.device.type == "cuda":
             peak = self._cuda_peak

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from autotune.config import ModelConfig, load_hardware, model_from_dict
 from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
+from autotune.runtime.faults import fault_for
 from autotune.runtime.mesh import ParallelDims
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.peak_flops import peak_flops
@@ -98,6 +99,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
 
     grad_accum = layout.grad_accum(cfg)
     dp_rank = mesh["dp"].get_local_rank()
+    fault = fault_for(str(layout))
     local_losses = []
     profiler = StepProfiler(device, spec.warmup, spec.steps, trace_file) if spec.profile \
         else StepTimer(device, spec.warmup, spec.steps)
@@ -105,6 +107,8 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         for step in range(spec.warmup + spec.steps):
             batches = [(x.to(device), y.to(device)) for x, y in micro_batches(
                 spec.seed, step, dp_rank, layout.mbs, grad_accum, cfg.seq_len, cfg.vocab_size)]
+            if fault:
+                fault.before_step(step, dist.get_rank())
             with profiler.step():
                 local_losses.append(trainer.step(batches))
 
