@@ -85,8 +85,11 @@ def classify(stdout: str, stderr: str, returncode: int, timed_out: bool, timeout
     errors = [json.loads(line[len(ERROR_MARKER):]) for line in stderr.splitlines()
               if line.startswith(ERROR_MARKER)]
     results = [line[len(RESULT_MARKER):] for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    if results and returncode == 0 and not timed_out:
-        return json.loads(results[-1])
+    if results and not timed_out:
+        result = json.loads(results[-1])
+        if returncode != 0:  # every rank's figures were gathered; a rank failed while shutting down
+            result["warning"] = f"a rank exited abnormally after the result (torchrun exit code {returncode})"
+        return result
     oom = [e for e in errors if e.get("oom")]
     if oom:
         first = min(oom, key=lambda e: e["time"])

@@ -21,6 +21,7 @@ import fcntl
 import json
 import math
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ TIMEOUT_FLOOR_S = {"cpu": 180.0, "cuda": 600.0}
 TIMEOUT_PREDICTION_FACTOR = 5.0
 # Measured figures copied from a trial's JSON into the Optuna trial's user attributes.
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_mem_bytes",
-                 "comm_fraction", "exposed_comm_fraction", "grad_accum", "world_size", "duration_s")
+                 "comm_fraction", "exposed_comm_fraction", "grad_accum", "world_size", "duration_s", "peak_tflops")
 
 
 @dataclass
@@ -153,9 +154,19 @@ class Controller:
 
     # -- the estimator, calibrated on what has been measured --------------------------------
     def calibration(self) -> Calibration | None:
+        """Fit the estimator to the trials measured so far (None before the first).
+
+        A CPU has no peak FLOP/s in its preset: the trials measure it (a calibration
+        GEMM), and the estimator takes their median from the first measured trial on."""
         measured = [(self.sampler.by_name[t.user_attrs["layout"]], t.user_attrs) for t in self.study.get_trials(
             deepcopy=False) if t.user_attrs.get("tokens_per_s") and t.user_attrs.get("layout") in self.sampler.by_name]
-        return calibrate(measured, self.model, self.hardware, device=self.q.device) if measured else None
+        if not measured:
+            return None
+        if not self.hardware.peak_tflops:
+            peaks = [attrs["peak_tflops"] for _, attrs in measured if attrs.get("peak_tflops")]
+            if peaks:
+                self.hardware = dataclasses.replace(self.hardware, peak_tflops=statistics.median(peaks))
+        return calibrate(measured, self.model, self.hardware, device=self.q.device)
 
     def predict(self, layout: Layout, calibration: Calibration | None = None):
         return estimate(self.model, layout, self.hardware, self.budget_bytes, calibration, device=self.q.device)
@@ -166,7 +177,8 @@ class Controller:
 
         def score(layout: Layout):
             e = self.predict(layout, calibration)
-            return (e.fits, e.mfu if self.q.objective == "mfu" else e.tokens_per_s)
+            value = e.mfu if self.q.objective == "mfu" else e.tokens_per_s
+            return (e.fits, value if math.isfinite(value) else -math.inf)  # unknown time: space order
         return score
 
     # -- the loop ---------------------------------------------------------------------------

@@ -30,6 +30,9 @@ def error_line(rank, oom=False, t=0.0, type_="RuntimeError", message="boom"):
 
 def test_classify_result():
     assert classify(RESULT_MARKER + '{"status": "complete"}\n', "", 0, False, 10) == {"status": "complete"}
+    # A rank that aborts while shutting down, after rank 0 gathered every figure, keeps the result.
+    late = classify(RESULT_MARKER + '{"status": "complete"}\n', TORCHRUN_CRASH, 1, False, 10)
+    assert late["status"] == "complete" and "after the result" in late["warning"]
 
 
 def test_classify_oom_wins_over_crash_and_error():

@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(spec)
         if dist.get_rank() == 0:
             print(RESULT_MARKER + json.dumps(result), flush=True)
+        dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then the rank exits 1
         report_error(exc)
@@ -245,4 +246,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: C++ threads of the profiler and of gloo, destroyed
+    # at exit, can abort a rank ("terminate called without an active exception") after
+    # its work is done, which would turn a measured trial into a crash.
+    os._exit(code)
