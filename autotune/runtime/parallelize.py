@@ -25,6 +25,7 @@ from autotune.runtime.init import init_weights
 from autotune.runtime.mesh import Meshes
 from autotune.runtime.model import Transformer
 from autotune.runtime.parallel.dp import apply_data_parallel, build_optimizer, mixed_precision_policy
+from autotune.runtime.parallel.ep import apply_expert_parallel
 from autotune.runtime.parallel.recompute import apply_recompute
 from autotune.runtime.parallel.tp import apply_tensor_parallel
 from autotune.runtime.train import Trainer
@@ -37,7 +38,9 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
     mp_policy: None for fp32, else FSDP2's mixed precision (see dp.mixed_precision_policy)."""
     if layout.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=bool(layout.sp))
-    # Expert parallel goes here (MoE blocks), then context parallel (Attention.core, positions).
+    if layout.ep > 1:
+        apply_expert_parallel(stage, mesh["ep"])
+    # Context parallel goes here (Attention.core, positions).
     apply_recompute(stage, layout.recompute)
     apply_data_parallel(stage, mesh, layout, mp_policy)
 

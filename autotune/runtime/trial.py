@@ -27,6 +27,7 @@ from autotune.config import model_from_dict
 from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
 from autotune.runtime.mesh import ParallelDims
+from autotune.runtime.parallel.ep import token_imbalance
 from autotune.runtime.parallelize import build_trainer
 from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec
 
@@ -77,6 +78,8 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     measured = times[spec.warmup:].tolist()
     step_time = statistics.median(measured)
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    # Expert parallel: per MoE layer, max / mean tokens received by an ep rank (None at ep=1).
+    imbalance = token_imbalance(trainer.model, mesh, spec.warmup)
     return {
         "status": "complete",
         "reason": None,
@@ -93,6 +96,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         "tokens_per_s": tokens_per_step / step_time,
         "tokens_per_s_per_gpu": tokens_per_step / step_time / layout.world_size,
         "torch_version": torch.__version__,
+        "ep_token_imbalance": imbalance,
     }
 
 
