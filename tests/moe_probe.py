@@ -8,7 +8,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from step_probe import first_step_gradients
 
 from autotune.config import load_model
 from autotune.runtime import moe
@@ -52,9 +51,6 @@ def split_sequence_balance_loss(batch: int = 3, seq: int = 16, experts: int = 8)
             "loss": whole_loss.item()}
 
 
-def expert_parallel_checks(gradient_layouts: list[str], skewed_layouts: list[str], bias: float) -> dict:
-    """The 2-rank checks that are not plain trials, in one process group: first-step
-    gradients, skewed trials, the split-sequence balance loss."""
-    return {"gradients": first_step_gradients(gradient_layouts, "tiny-moe"),
-            "skewed": skewed_trials(skewed_layouts, bias),
-            "split": split_sequence_balance_loss()}
+def skew_and_split(skewed_layouts: list[str], bias: float) -> dict:
+    """Both in one process group: skewed trials, the split-sequence balance loss."""
+    return {"skewed": skewed_trials(skewed_layouts, bias), "split": split_sequence_balance_loss()}

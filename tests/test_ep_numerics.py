@@ -5,10 +5,10 @@ and without expert parallel; expert gradients equal one process's (Adam would hi
 wrong scale); a router biased to one expert reports the imbalance it causes."""
 
 import pytest
-from moe_probe import expert_parallel_checks
+from moe_probe import skew_and_split
 from numerics import assert_same_losses, assert_same_params
 from spawn_group import run_layouts, run_on_ranks
-from step_probe import assert_same_gradients, reference_gradients
+from step_probe import assert_same_gradients, first_step_gradients, reference_gradients
 
 from autotune.config import load_model
 from autotune.layout import resolve
@@ -61,28 +61,31 @@ def test_ep2_with_dp2_every_zero_and_recompute(reference, two_ranks):
         assert all(1.0 <= value < 1.3 for value in imbalance.values()), imbalance  # a fresh router: near even
 
 
-def test_ep4_with_dp4_ep2_with_dp2_x_tp2_and_hsdp(reference):
+def test_ep4_with_dp4_ep2_with_dp2_x_tp2_hsdp_and_zero1(reference):
+    """(Tensor parallel with sequence parallel is in the gradient test below.)"""
     layouts = [full(text, 4) for text in (
-        "ep=4,mbs=4", "ep=2,tp=2,mbs=8", "ep=2,tp=2,sp=1,zero=3,mbs=4",
-        "ep=2,dp_shard=2,zero=2,mbs=2", "ep=2,zero=1,mbs=4")]
+        "ep=4,mbs=4", "ep=2,tp=2,mbs=8", "ep=2,dp_shard=2,zero=2,mbs=4", "ep=2,zero=1,mbs=4")]
     results = run_layouts(4, layouts, model="tiny-moe", with_params=True)
     check(reference[0], results)
-    assert resolve(results[3]["layout"], MOE, 4).dp_replicate == 2
+    assert resolve(results[2]["layout"], MOE, 4).dp_replicate == 2
+
+
+def test_expert_gradients_equal_one_process():
+    """Each expert's gradient sums the ep ranks' tokens, then FSDP divides by dp x cp:
+    dividing by the edp ranks only would double it at ep=2, which Adam's m / sqrt(v)
+    hides from the losses. Every way FSDP reduces: replicate over edp (zero 0),
+    reduce-scatter over two edp_shard ranks (on gloo: sum, then divide), one-rank shard
+    groups with (HSDP) and without replicas, and under tensor parallel."""
+    reference = reference_gradients("tiny-moe")
+    layouts = [full(text, 4) for text in ("ep=2,zero=0,mbs=4", "ep=2,zero=3,mbs=2", "ep=2,dp_shard=2,zero=2,mbs=2",
+                                          "ep=4,zero=3,mbs=4", "ep=2,tp=2,sp=1,zero=2,mbs=8")]
+    for layout, grads in zip(layouts, run_on_ranks(4, first_step_gradients, layouts, "tiny-moe")[0]):
+        assert_same_gradients(reference, grads, layout)
 
 
 @pytest.fixture(scope="module")
 def probes():
-    return run_on_ranks(2, expert_parallel_checks, [full("ep=2,zero=0,mbs=8", 2), full("ep=2,zero=3,mbs=2", 2)],
-                        [full("ep=2,zero=0,mbs=8", 2)], 20.0)
-
-
-def test_expert_gradients_equal_one_process(probes):
-    """Each expert's gradient sums the ep ranks' tokens and is averaged over the rest:
-    a missing 1/ep would double it, which Adam's m / sqrt(v) hides from the losses."""
-    reference = reference_gradients("tiny-moe")
-    layouts = [full("ep=2,zero=0,mbs=8", 2), full("ep=2,zero=3,mbs=2", 2)]
-    for layout, grads in zip(layouts, probes[0]["gradients"]):
-        assert_same_gradients(reference, grads, layout)
+    return run_on_ranks(2, skew_and_split, [full("ep=2,zero=0,mbs=8", 2)], 20.0)
 
 
 def test_router_biased_to_one_expert_reports_its_imbalance(probes, two_ranks):

@@ -49,24 +49,11 @@ from autotune.runtime.model import FeedForward
 from autotune_kernels.moe import expert_counts, grouped_matmul, permute, route, unpermute
 
 
-class ScaleGradient(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by `scale` (see GroupedExperts)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
 class GroupedExperts(nn.Module):
     """num_experts SwiGLUs: down(silu(x gate_e) * (x up_e)) for the block of x routed to e.
 
     Expert parallel keeps num_experts / ep of them on each rank (a DTensor sharded on
-    dim 0) and sets `gradient_scale` (see runtime/parallel/ep.py).
+    dim 0); the grouped matmuls then run on the local ones.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
@@ -74,19 +61,21 @@ class GroupedExperts(nn.Module):
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
-        self.gradient_scale = 1.0
-
-    def weights(self) -> list[torch.Tensor]:
-        out = []
-        for w in (self.gate, self.up, self.down):
-            w = w.to_local() if isinstance(w, DTensor) else w
-            out.append(ScaleGradient.apply(w, self.gradient_scale) if self.gradient_scale != 1.0 else w)
-        return out
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden] in blocks of counts[e] rows per (local) expert e."""
-        gate, up, down = self.weights()
-        return grouped_matmul(F.silu(grouped_matmul(x, gate, counts)) * grouped_matmul(x, up, counts), down, counts)
+        """x [N, hidden] in blocks of counts[e] rows per (local) expert e.
+
+        Each weight is made local right before its matmul: autograd runs later-made
+        nodes first, so each weight's gradient then reaches its parameter (and its
+        temporary is freed) as soon as it is computed, not after all three."""
+        gate = grouped_matmul(x, local(self.gate), counts)
+        up = grouped_matmul(x, local(self.up), counts)
+        return grouped_matmul(F.silu(gate) * up, local(self.down), counts)
+
+
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight (expert parallel makes it a DTensor)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def balance_loss(probabilities: torch.Tensor, experts: torch.Tensor, num_experts: int,

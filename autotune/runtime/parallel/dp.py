@@ -54,6 +54,7 @@ from autotune.config import ModelConfig
 from autotune.layout import Layout
 from autotune.runtime.mesh import Meshes
 from autotune.runtime.moe import moe_layers
+from autotune.runtime.parallel.ep import divide_expert_gradients
 from autotune.runtime.parallel.zero1 import zero_one_adamw
 
 
@@ -76,6 +77,7 @@ def apply_data_parallel(model: nn.Module, mesh: Meshes, layout: Layout,
         experts_mesh = mesh["edp"] if layout.zero <= 1 else mesh.expert_hsdp() if hsdp else mesh["edp_shard"]
         for layer in moe_layers(model).values():
             wrap(layer.experts, experts_mesh, layout.zero, mp_policy)
+            divide_expert_gradients(layer.experts, layout.ep)
     dense_mesh = mesh["dp_cp"] if layout.zero <= 1 else mesh.hsdp() if hsdp else mesh["dp_shard_cp"]
     for unit in list(model.layers.values()) + [model.tok_embeddings]:
         if unit is not None:

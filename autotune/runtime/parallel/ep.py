@@ -23,11 +23,11 @@ so the MoE block runs unchanged and its parameter names stay those of one proces
 
 Gradients. An expert's weight gradient on an ep rank sums the contributions of all ep
 ranks' tokens it served; the ranks holding the same experts (edp = dp_replicate x
-dp_shard x cp / ep) then average theirs. The mean over the global batch needs a
-division by the full data degree dp x cp = ep x edp, so the experts scale their
-gradient by 1 / ep (GroupedExperts.gradient_scale) and data parallel's average over
-edp does the rest. FSDP shards (zero 2/3) or replicates (zero 0/1) the experts over
-edp as its own unit per layer, the rest of the block over dp_shard x cp
+dp_shard x cp / ep) then reduce theirs. The mean over the global batch needs a
+division by the full data degree dp x cp = ep x edp, not only by the edp ranks FSDP
+averages over, so the experts' FSDP unit divides by ep once more
+(`divide_expert_gradients`). FSDP shards (zero 2/3) or replicates (zero 0/1) the
+experts over edp as its own unit per layer, the rest of the block over dp_shard x cp
 (runtime/parallel/dp.py).
 
 Tensor parallel cuts attention and the dense MLPs; an MoE block stays whole on every
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from autotune.runtime.moe import moe_layers
@@ -93,7 +94,15 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         exchange = TokenExchange(layer.num_experts, ep_mesh)
         distribute_module(layer.experts, ep_mesh, partition_fn=shard_experts,
                           input_fn=exchange.dispatch, output_fn=exchange.combine)
-        layer.experts.gradient_scale = 1 / ep_mesh.size()
+
+
+def divide_expert_gradients(experts: FSDPModule, ep: int) -> None:
+    """FSDP averages the experts' gradients over the edp ranks that hold them; divide the
+    result by ep more, so that the divisor is the full data degree dp x cp (module
+    docstring). The hook runs on the reduced shard, in place: no copy of the gradients
+    (FSDP's own custom divisor makes one where a group has a single rank, and needs an
+    op gloo lacks elsewhere)."""
+    experts.set_all_reduce_hook(lambda reduced: reduced.div_(ep))
 
 
 def token_imbalance(model: nn.Module | list[nn.Module], mesh, skip_steps: int) -> dict[str, float] | None:
