@@ -11,8 +11,9 @@ dims:
     dp_shard_cp = dp_shard x cp           FSDP sharding of dense parameters under CP
 
 Expert parallel is carved from dp_shard x cp rather than added as a dimension: the
-MoE layers cut those ranks into (edp_shard, ep) with ep innermost (neighbouring
-ranks, inside a node when it can), so the world size stays pp * dp * cp * tp:
+MoE layers cut those ranks into (edp_shard, ep) with ep innermost (its ranks tp
+apart, so inside a node whenever ep * tp fits), and the world size stays pp * dp *
+cp * tp:
 
     ep          the ranks that exchange tokens by all-to-all, each holding experts/ep
     edp_shard   dp_shard x cp / ep        FSDP sharding of the routed experts
