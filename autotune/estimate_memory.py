@@ -101,14 +101,19 @@ def norm_saved_tensors(model: ModelConfig, compute: int, where: str) -> list[Sav
             Saved(f"{where} input (norm output)", h, compute, "full")]
 
 
-def block_saved_tensors(model: ModelConfig, moe: bool, compute: int) -> list[Saved]:
-    """The runtime's Block (runtime/model.py), item by item.
+def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_parallel: bool = False) -> list[Saved]:
+    """The runtime's Block (runtime/model.py, runtime/moe.py), item by item.
 
     Attention: RoPE saves only its cos/sin tables (counted per layer, not per token);
     fused SDPA saves q and k after RoPE, v, its output (also wo's input) and the fp32
     log-sum-exp, never seq x seq scores. SwiGLU saves gate, silu(gate), up and their
-    product. An MoE block saves the router's probabilities, the tokens dispatched to
-    their top-k experts, the experts' SwiGLU tensors and their outputs.
+    product. An MoE block saves the router's fp32 softmax, the top-k choices, their
+    probabilities and sum (the renormalisation, top_k > 1) and the routing weights; the
+    index of the permutation to expert order and of its inverse; each token's k
+    copies dispatched to the experts, the experts' SwiGLU tensors (k per token) and
+    their outputs; expert parallel adds the indices of its re-sort to local-expert
+    order and back. Tensor parallel leaves MoE blocks whole ("full"): every tp rank
+    routes the whole (gathered) sequence.
     """
     h = model.hidden_size
     q = model.num_heads * model.head_dim
@@ -118,12 +123,19 @@ def block_saved_tensors(model: ModelConfig, moe: bool, compute: int) -> list[Sav
                  Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
     if moe:
         k, ef = model.moe.top_k, model.moe.expert_ffn_hidden_size
-        mlp = [Saved("router probabilities", model.moe.num_experts, 4, "full"),
+        mlp = [Saved("router probabilities (fp32)", model.moe.num_experts, 4, "full"),
+               Saved("top-k choices (int64)", k, 8, "full"),
+               Saved("routing weights", k, compute, "full"),
+               Saved("permutation and inverse (int64)", 2 * k, 8, "full"),
                Saved("dispatched tokens", k * h, compute, "full"),
-               Saved("expert gate, silu, up, product", 4 * k * ef, compute, "tp"),
+               Saved("expert gate, silu, up, product", 4 * k * ef, compute, "full"),
                Saved("expert outputs", k * h, compute, "full")]
+        if k > 1:
+            mlp.append(Saved("top-k probabilities and their sum (fp32)", k + 1, 4, "full"))
+        if expert_parallel:
+            mlp.append(Saved("local-expert sort and inverse (int64)", 2 * k, 8, "full"))
         if model.moe.num_shared_experts:
-            mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "tp"))
+            mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "full"))
     else:
         mlp = [Saved("mlp gate, silu, up, product", 4 * model.ffn_hidden_size, compute, "tp")]
     return (norm_saved_tensors(model, compute, "attention") + attention
@@ -173,7 +185,7 @@ class ModelFigures:
     moe_active: float  # MoE parameters one token passes through (router, top-k, shared)
     moe_before: tuple[int, ...]  # moe_before[i]: MoE layers among layers 0..i-1
     flops_per_token: float
-    saved: dict  # (moe layer?, compute bytes) -> SavedTotals of a block
+    saved: dict  # (moe layer?, compute bytes, expert parallel?) -> SavedTotals of a block
     final_norm: dict  # compute bytes -> SavedTotals of the final norm
     shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, ep, rank) -> RankShape
 
@@ -196,8 +208,8 @@ def model_figures(model: ModelConfig) -> ModelFigures:
         moe_routed=moe.num_experts * model.expert_params() if moe else 0,
         moe_active=router + (moe.top_k + moe.num_shared_experts) * model.expert_params() if moe else 0,
         moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
-        saved={(is_moe, c): SavedTotals.of(block_saved_tensors(model, is_moe, c))
-               for is_moe in ((False, True) if moe else (False,)) for c in (2, 4)},
+        saved={(is_moe, c, ep): SavedTotals.of(block_saved_tensors(model, is_moe, c, ep))
+               for is_moe in ((False, True) if moe else (False,)) for c in (2, 4) for ep in (False, True)},
         final_norm={c: SavedTotals.of(norm_saved_tensors(model, c, "final")) for c in (2, 4)}, shapes={})
     if len(_FIGURES) > 64:
         _FIGURES.clear()
@@ -230,9 +242,10 @@ class RankShape(NamedTuple):
     expert parallel, before FSDP shards them.
 
     TP splits q/k/v/o, gate/up/down, the embedding and the head by tp (Megatron's
-    column/row plan, vocabulary-parallel embedding and head); norms and the router stay
-    whole on every tp rank. EP gives each rank num_experts/ep routed experts, also split
-    by tp. The runtime never ties the head to the embedding, so both count.
+    column/row plan, vocabulary-parallel embedding and head); norms and MoE blocks (the
+    router, shared and routed experts) stay whole on every tp rank. EP gives each rank
+    num_experts/ep routed experts. The runtime never ties the head to the embedding, so
+    both count.
     """
 
     rank: int
@@ -244,7 +257,8 @@ class RankShape(NamedTuple):
     expert_params: float  # ... and these over dp_shard*cp/ep
     root_params: float  # embedding, final norm, head: FSDP's root module
     largest_block: float
-    largest_tensor: float
+    largest_tensor: float  # of the dense parameters
+    largest_expert_tensor: float  # one stacked expert weight, [experts/ep, hidden, ffn]
 
 
 def rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
@@ -265,18 +279,35 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     first, last = 0 in stages, layout.pp * stage_chunks(layout) - 1 in stages
 
     dense_block = fig.attention / tp + 2 * h + fig.dense_mlp / tp
-    moe_block = fig.attention / tp + 2 * h + fig.moe_dense / tp
-    moe_experts = fig.moe_routed / layout.ep / tp
+    moe_block = fig.attention / tp + 2 * h + fig.moe_dense
+    moe_experts = fig.moe_routed / layout.ep
     embedding = model.embedding_params() / tp
     root = (embedding if first else 0.0) + (h + embedding if last else 0.0)
     dense_layers = layers - moe_layers
-    ffn = max(model.ffn_hidden_size, model.moe.expert_ffn_hidden_size if model.moe else 0)
+    dense_tensors = [embedding if root else 0.0, h * model.num_heads * model.head_dim / tp]
+    if dense_layers:
+        dense_tensors.append(h * model.ffn_hidden_size / tp)
+    if moe_layers:  # the router, the shared experts
+        dense_tensors.append(h * max(model.moe.num_experts, model.moe.num_shared_experts * model.moe.expert_ffn_hidden_size))
     return RankShape(
         rank=rank, layers=layers, moe_layers=moe_layers, first=first, last=last,
         dense_params=dense_layers * dense_block + moe_layers * moe_block + root,
         expert_params=moe_layers * moe_experts, root_params=root,
         largest_block=max(dense_block if dense_layers else 0.0, moe_block + moe_experts if moe_layers else 0.0),
-        largest_tensor=max(embedding if root else 0.0, h * ffn / tp))
+        largest_tensor=max(dense_tensors),
+        largest_expert_tensor=moe_experts / 3 if moe_layers else 0.0)
+
+
+def moe_layer_bytes(model: ModelConfig, layout: Layout) -> float:
+    """What an MoE layer keeps per micro-batch besides its per-token tensors: the
+    balance loss's fp32 counts per sequence and expert, the int32 offsets of its three
+    grouped matmuls (recomputed under full recompute), and the int64 expert counts its
+    backward records."""
+    experts = model.moe.num_experts
+    recorded = 8 * experts
+    if layout.recompute == "full":
+        return recorded
+    return recorded + 4 * layout.mbs * experts + 3 * 4 * experts / layout.ep
 
 
 # -- pipeline schedules ---------------------------------------------------------------------------
@@ -366,7 +397,7 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
     if device == "cuda":
         temp = 4 * (sharded if layout.zero >= 1 else total)
     else:
-        temp = 2 * 4 * shape.largest_tensor / dense_shard
+        temp = 2 * 4 * max(shape.largest_tensor / dense_shard, shape.largest_expert_tensor / expert_shard)
     # By the last layer's backward the head has its gradients, if none were there yet.
     head_grads = prec.grad * (model.hidden_size + model.embedding_params() / layout.tp) if shape.last else 0.0
     phases = {}
@@ -408,24 +439,38 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
 
     def per_token(recompute: str) -> float:  # all of the rank's layers, one micro-batch
         dense = shape.layers - shape.moe_layers
-        total = dense * saved_bytes_per_token(fig.saved[False, c], tp, sp, recompute, block_input) if dense else 0.0
+        total = dense * saved_bytes_per_token(fig.saved[False, c, False], tp, sp, recompute, block_input) \
+            if dense else 0.0
         if shape.moe_layers:
-            total += shape.moe_layers * saved_bytes_per_token(fig.saved[True, c], tp, sp, recompute, block_input)
+            total += shape.moe_layers * saved_bytes_per_token(fig.saved[True, c, layout.ep > 1], tp, sp, recompute,
+                                                              block_input)
         return total
 
     kept = per_token(layout.recompute)
     # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch.
     rope = 0.0 if layout.recompute == "full" else shape.layers * model.seq_len / layout.cp * model.head_dim * 4
-    stored = chunks * (tokens * kept + rope) / stage_chunks(layout)
+    moe_fixed = shape.moe_layers * moe_layer_bytes(model, layout) if shape.moe_layers else 0.0
+    stored = chunks * (tokens * kept + rope + moe_fixed) / stage_chunks(layout)
     if layout.pp > 1:  # the schedule keeps each in-flight stage's input and output
         stored += chunks * tokens * 2 * h * c / (tp if sp else 1)
 
     recomputed = tokens * (per_token("none") - kept) / shape.layers
+    incoming = tokens * h / (tp if sp else 1) * c
     if shape.moe_layers == shape.layers:
-        ffn, weight = model.moe.top_k * model.moe.expert_ffn_hidden_size, model.moe.expert_ffn_hidden_size
+        # The experts' SwiGLU runs on k rows per token, and one gradient covers a weight of
+        # all local experts. By then the shared experts' backward has freed their saved
+        # tensors and left their input's gradient to be summed with the router's and the
+        # experts'; the combine's backward has freed its indices and routing weights (the
+        # gradient of the expert outputs replaces their saved copy).
+        moe = model.moe
+        rows, ef = tokens * moe.top_k, moe.expert_ffn_hidden_size
+        ffn_grad = rows * ef * c
+        weight_grad = moe.num_experts / layout.ep * h * ef * prec.grad
+        incoming -= rows * 8 + rows * c
+        if moe.num_shared_experts:
+            incoming += tokens * h * c - tokens * 4 * moe.num_shared_experts * ef * c
     else:
-        ffn = weight = model.ffn_hidden_size
-    incoming, ffn_grad, weight_grad = tokens * h / (tp if sp else 1) * c, tokens * ffn / tp * c, h * weight / tp * prec.grad
+        ffn_grad, weight_grad = tokens * model.ffn_hidden_size / tp * c, h * model.ffn_hidden_size / tp * prec.grad
     if accumulating:
         swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
     else:

@@ -171,11 +171,16 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     values over the full sequence, no causal discount), split forward : input-gradient
     : weight-gradient = 1 : 1 : 1 for matmuls and 1 : 2 : 0 for the attention core.
     Recompute adds the forward of what it dropped (full: the block; selective: the
-    core). A rank does 1/tp of the matmuls of its cp-th of the tokens.
+    core). A rank does 1/tp of the matmuls of its cp-th of the tokens, but all of an MoE
+    block's (tensor parallel leaves MoE blocks whole: every tp rank routes the whole
+    sequence); under expert parallel a rank's experts get, with even routing, as many
+    rows (k per token) as its own tokens send out.
 
     Per layer: TP (+SP) two all-reduces, or two all-gathers and two reduce-scatters,
-    each way (and the forward's again under full recompute); EP a dispatch and a combine
-    all-to-all each way; CP's ring (see below).
+    each way (and the forward's again under full recompute); EP, per MoE layer, an
+    all-to-all of the expert counts, then a dispatch and a combine all-to-all of tokens*k
+    rows of hidden each way (the forward's again under full recompute; selective keeps
+    the token all-to-alls and redoes the counts); CP's ring (see below).
     """
     fig = model_figures(model)
     tp, cp, c, h = layout.tp, layout.cp, compute_bytes, model.hidden_size
@@ -184,11 +189,11 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     core = 4 * tokens * model.num_heads * model.head_dim * model.seq_len / tp / flops_per_s
 
     def layer(mlp_params: float) -> tuple[float, float, float]:
-        matmul = 2 * tokens * (fig.attention + mlp_params) / tp / flops_per_s
+        matmul = 2 * tokens * (fig.attention / tp + mlp_params) / flops_per_s
         recompute = {"none": 0.0, "selective": core, "full": matmul + core}[layout.recompute]
         return matmul + core, matmul + 2 * core + recompute, matmul
 
-    dense_layer, moe_layer = layer(fig.dense_mlp), layer(fig.moe_active)
+    dense_layer, moe_layer = layer(fig.dense_mlp / tp), layer(fig.moe_active)
     head = 2 * tokens * h * model.vocab_size / tp / flops_per_s
     tp_pass = tp_edge = 0.0
     if tp > 1:
@@ -210,9 +215,10 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
         in_flight = [kv_hop] + [kv_hop + grad_hop] * (cp - 2) + [grad_hop]
         cp_backward = sum(max(0.0, t - 2 * core / cp) for t in in_flight) + grad_hop + rerun * cp_forward
         cp_volume = (2 + rerun) * (cp - 1) * kv_hop + cp * grad_hop
-    a2a = 0.0
+    a2a = counts = 0.0
     if layout.ep > 1 and model.moe:
-        a2a = links.all_to_all(tokens / (tp if layout.sp else 1) * model.moe.top_k * h * c, groups["ep"])
+        a2a = links.all_to_all(tokens * model.moe.top_k * h * c, groups["ep"])
+        counts = links.all_to_all(8 * model.moe.num_experts, groups["ep"])
 
     works = []
     for shape in shapes:
@@ -227,7 +233,8 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
         if cp > 1:
             work.add_comm("cp", layers * cp_forward, layers * cp_backward, total=layers * cp_volume)
         if a2a and shape.moe_layers:
-            work.add_comm("ep", 2 * a2a * shape.moe_layers, 2 * a2a * shape.moe_layers)
+            again = {"none": 0.0, "selective": counts, "full": counts + 2 * a2a}[layout.recompute]
+            work.add_comm("ep", (counts + 2 * a2a) * shape.moe_layers, (2 * a2a + again) * shape.moe_layers)
         works.append(work)
     return works
 
@@ -274,7 +281,8 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     dp_exposed = max(reduce / layers, reduce - work.backward_input - work.backward_weight) if reduce else 0.0
     dp_exposed += max(gather / layers, gather - compute) if gather else 0.0
     if layout.zero == 1:  # each rank updated its shard; the shard group gathers them all
-        after_step = links.gather_or_scatter(prec.master * (params.dense_params + params.expert_params), shard)
+        after_step = (links.gather_or_scatter(prec.master * params.dense_params, shard)
+                      + links.gather_or_scatter(prec.master * params.expert_params, expert_shard))
         gather += after_step
         dp_exposed += after_step
     if reduce + gather:

@@ -43,9 +43,9 @@ def step_batches(cfg, layout, mesh, step: int):
                          cfg.seq_len, cfg.vocab_size)
 
 
-def trainer_for(text: str):
+def trainer_for(text: str, model: str = MODEL):
     """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them."""
-    cfg = load_model(MODEL)
+    cfg = load_model(model)
     layout = resolve(text, cfg, dist.get_world_size())
     mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
     trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
@@ -58,13 +58,13 @@ def memory_by_kind(snapshot: dict) -> dict:
     return {getattr(kind, "value", kind): size for kind, size in snapshot[torch.device("cpu")].items()}
 
 
-def first_step_gradients(layouts: list[str]) -> list[dict] | None:
+def first_step_gradients(layouts: list[str], model: str = MODEL) -> list[dict] | None:
     """{plain name: flat list} of the full gradients the optimizer sees at step 0, per layout
     (on rank 0; None elsewhere). Not for zero=1, whose optimizer takes its gradient slices
     before any hook registered after it could look."""
     results = []
     for text in layouts:
-        cfg, layout, mesh, trainer = trainer_for(text)
+        cfg, layout, mesh, trainer = trainer_for(text, model)
         assert layout.zero != 1
         grads = {}
 
@@ -78,15 +78,16 @@ def first_step_gradients(layouts: list[str]) -> list[dict] | None:
     return results if dist.get_rank() == 0 else None
 
 
-def reference_gradients() -> dict:
+def reference_gradients(model: str = MODEL) -> dict:
     """The gradients of the mean loss over step 0's whole global batch, in this process:
-    the plain model, no process group, no micro-batches."""
-    cfg = load_model(MODEL)
-    model = Transformer(cfg)
-    init_weights(model, 0, cfg.hidden_size, cfg.num_layers)
+    the plain model, no process group, no micro-batches (an MoE model's balance losses
+    included: its blocks add them in backward)."""
+    cfg = load_model(model)
+    net = Transformer(cfg)
+    init_weights(net, 0, cfg.hidden_size, cfg.num_layers)
     tokens = batch_rows(0, 0, range(cfg.global_batch_size), cfg.seq_len, cfg.vocab_size)
-    cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    return {name: p.grad.flatten().tolist() for name, p in model.named_parameters()}
+    cross_entropy(net(tokens[:, :-1]), tokens[:, 1:]).backward()
+    return {name: p.grad.flatten().tolist() for name, p in net.named_parameters()}
 
 
 def assert_same_gradients(reference: dict, other: dict, what: str, rtol: float = 1e-4) -> None:
@@ -212,7 +213,7 @@ def zero_one_against_adamw(shapes: list[list[int]], bucket_elements: int, steps:
     sliced = [torch.nn.Parameter(t.clone()) for t in start]
     whole = [torch.nn.Parameter(t.clone()) for t in start]
     options = {"lr": 0.1, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    sliced_adamw, adamw = zero1.zero_one_adamw(sliced, mesh, **options), torch.optim.AdamW(whole, **options)
+    sliced_adamw, adamw = zero1.zero_one_adamw([(sliced, mesh)], **options), torch.optim.AdamW(whole, **options)
     for step_grads in grads:
         for a, b, g in zip(sliced, whole, step_grads):
             a.grad, b.grad = g.clone(), g.clone()

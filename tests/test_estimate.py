@@ -193,6 +193,54 @@ def test_expert_parallel_splits_the_experts():
     assert peaks[0] > peaks[1] > peaks[2]
 
 
+def test_expert_weights_per_ep_rank_and_moe_blocks_whole_under_tp():
+    """Each ep rank holds num_experts/ep experts of every layer, 3 * hidden * ffn each;
+    tensor parallel cuts attention but leaves the router and the experts whole."""
+    mixtral = load_model("mixtral-8x7b")
+    expert = 3 * 4096 * 14336
+    for ep, tp in ((1, 1), (2, 1), (8, 1), (2, 2), (4, 2)):
+        shape = rank_shape(mixtral, resolve(f"ep={ep},tp={tp}", mixtral, 16, 8), 0)
+        assert shape.expert_params == 32 * 8 // ep * expert
+        attention = 2 * 4096 * 4096 + 2 * 4096 * 1024
+        block = attention / tp + 2 * 4096 + 4096 * 8  # attention split, norms and router whole
+        assert shape.dense_params == pytest.approx(32 * block + 2 * 32000 * 4096 / tp + 4096)
+
+
+def test_moe_activations_are_per_routed_row_and_not_split_by_tp():
+    """Doubling top_k doubles the dispatched rows (tokens, their SwiGLU tensors, the
+    outputs, indices and weights); tensor parallel does not divide them."""
+    moe = load_model("tiny-moe")
+    wider = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, top_k=4))
+
+    def moe_bytes(model, tp: int) -> float:
+        layout = resolve(f"tp={tp},mbs=16", model, tp)
+        return estimate(model, layout, load_hardware("cpu"), device="cpu").memory["activations"]
+
+    h, ef, c, tokens, layers = 64, 64, 4, 16 * 64, 8
+    # dispatched and output rows, SwiGLU, routing weight, choice + permutation + inverse (int64), fp32 probability
+    per_row = 2 * h * c + 4 * ef * c + c + 3 * 8 + 4
+    assert moe_bytes(wider, 1) - moe_bytes(moe, 1) == pytest.approx(layers * tokens * 2 * per_row, rel=1e-9)
+    attention_split = moe_bytes(moe, 1) - moe_bytes(moe, 2)
+    assert 0 < attention_split < 0.25 * moe_bytes(moe, 1)  # only the attention's heads are divided
+
+
+def test_all_to_all_volume_of_expert_parallel():
+    """Per MoE layer and micro-batch: a counts exchange and a dispatch and a combine of
+    tokens * k rows of hidden bf16 forward, the two token exchanges again backward; each
+    sends (ep-1)/ep of its bytes over NVLink inside a node. Sequence parallel does not
+    shrink them: MoE blocks see whole sequences."""
+    mixtral = load_model("mixtral-8x7b")
+    links = H100.intra_node_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency
+    for text, gpus in (("ep=8,mbs=1", 8), ("ep=4,tp=2,sp=1,mbs=1", 8)):
+        layout = resolve(text, mixtral, gpus, 8)
+        e = estimate(mixtral, layout, H100, calibration=NO_LATENCY)
+        ep = layout.ep
+        rows_bytes = 4096 * 2 * 4096 * 2  # seq * top_k * hidden * bf16
+        one = rows_bytes * (ep - 1) / ep / links
+        counts = 8 * 8 * (ep - 1) / ep / links
+        assert e.comm_s["ep"] == pytest.approx(layout.grad_accum(mixtral) * 32 * (4 * one + counts), rel=1e-9)
+
+
 # -- time -------------------------------------------------------------------------------------------
 
 def test_time_figures_agree_with_each_other():

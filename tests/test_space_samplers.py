@@ -29,6 +29,16 @@ def test_default_and_long_context_spaces_search_context_parallel():
     assert any(layout.cp > 1 and layout.tp > 1 and layout.sp for layout in long_context)
 
 
+@pytest.mark.parametrize("space", ["moe", "default"])
+def test_moe_and_default_spaces_search_expert_parallel(space):
+    """For an MoE model both offer every ep that divides the experts and dp_shard x cp;
+    a dense model never gets ep > 1."""
+    for model, gpus in (("tiny-moe", 4), ("mixtral-8x7b", 8)):
+        degrees = {layout.ep for layout in valid_layouts(load_model(model), gpus, load_space(space), 8)}
+        assert degrees == {e for e in (1, 2, 4, 8) if e <= gpus}, (model, degrees)
+    assert {layout.ep for layout in valid_layouts(TINY, 4, load_space(space))} == {1}
+
+
 @pytest.mark.parametrize("data, message", [
     ({"layout": {"tp": [1, 2], "colour": [1]}}, "space.layout.colour: unknown layout key"),
     ({"layout": {"dp": [2]}}, "space.layout.dp: dp is derived"),

@@ -10,9 +10,21 @@ dims:
                                           gradient reduction of dense parameters
     dp_shard_cp = dp_shard x cp           FSDP sharding of dense parameters under CP
 
+Expert parallel is carved from dp_shard x cp rather than added as a dimension: the
+MoE layers cut those ranks into (edp_shard, ep) with ep innermost (its ranks tp
+apart, so inside a node whenever ep * tp fits), and the world size stays pp * dp *
+cp * tp:
+
+    ep          the ranks that exchange tokens by all-to-all, each holding experts/ep
+    edp_shard   dp_shard x cp / ep        FSDP sharding of the routed experts
+    edp         dp_replicate x edp_shard  the ranks that hold the same experts: their
+                                          gradients are reduced over these
+
+An ep group may span cp ranks (ep = 2, cp = 2: the two halves of every sequence
+go to different expert ranks): routing is per token, so that changes nothing.
+
 This is the only file that touches private DeviceMesh APIs (`_flatten`,
-`_concatenate`), so a
-change in torch is mended in one place.
+`_unflatten`, `_concatenate`), so a change in torch is mended in one place.
 """
 
 from __future__ import annotations
@@ -56,6 +68,10 @@ class ParallelDims:
         named = {name: root[name] for name in DIM_NAMES}
         for name, dims in FLATTENED.items():
             named[name] = root[dims]._flatten(name)
+        experts = named["dp_shard_cp"]._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep),
+                                                  ("edp_shard", "ep"))
+        named["ep"], named["edp_shard"] = experts["ep"], experts["edp_shard"]
+        named["edp"] = DeviceMesh._concatenate([named["dp_replicate"], named["edp_shard"]])._flatten("edp")
         return Meshes(root=root, named=named)
 
 
@@ -87,6 +103,10 @@ class Meshes:
         """The 2-D (dp_replicate, dp_shard_cp) mesh of HSDP: FSDP shards over the second
         dim and replicates over the first."""
         return DeviceMesh._concatenate([self.named["dp_replicate"], self.named["dp_shard_cp"]])
+
+    def expert_hsdp(self) -> DeviceMesh:
+        """HSDP's 2-D mesh for the routed experts: (dp_replicate, edp_shard)."""
+        return DeviceMesh._concatenate([self.named["dp_replicate"], self.named["edp_shard"]])
 
     def describe(self) -> str:
         """The process grid, printable: which global ranks form each group of this rank."""

@@ -26,6 +26,7 @@ from autotune.runtime.mesh import Meshes
 from autotune.runtime.model import Transformer
 from autotune.runtime.parallel.cp import HeadTailSharder, apply_context_parallel
 from autotune.runtime.parallel.dp import apply_data_parallel, build_optimizer, mixed_precision_policy
+from autotune.runtime.parallel.ep import apply_expert_parallel
 from autotune.runtime.parallel.recompute import apply_recompute
 from autotune.runtime.parallel.tp import apply_tensor_parallel
 from autotune.runtime.train import Trainer
@@ -38,7 +39,8 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
     mp_policy: None for fp32, else FSDP2's mixed precision (see dp.mixed_precision_policy)."""
     if layout.tp > 1:
         apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=bool(layout.sp))
-    # Expert parallel goes here (MoE blocks).
+    if layout.ep > 1:
+        apply_expert_parallel(stage, mesh["ep"])
     if layout.cp > 1:
         apply_context_parallel(stage, mesh["cp"], stage.cfg.seq_len)
     apply_recompute(stage, layout.recompute)

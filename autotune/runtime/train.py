@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from autotune.runtime.moe import end_step, set_aux_loss_scale
+
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
@@ -38,8 +40,10 @@ class Trainer:
         self.shard_batch = shard_batch  # (inputs, labels) -> this rank's part, under context parallel
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Train on this rank's micro-batches; returns the rank's share of the loss."""
+        """Train on this rank's micro-batches; returns the rank's share of the loss,
+        MoE balance losses included."""
         total = torch.zeros((), device=batches[0][0].device)
+        set_aux_loss_scale(self.model, 1 / len(batches))  # MoE balance losses scale as the loss does
         for i, (inputs, labels) in enumerate(batches):
             if self.shard_batch is not None:
                 inputs, labels = self.shard_batch(inputs, labels)
@@ -49,6 +53,7 @@ class Trainer:
                 loss = cross_entropy(self.model(inputs), labels) / len(batches)
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        total += end_step(self.model, total.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total

@@ -32,6 +32,7 @@ from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
 from autotune.runtime.faults import fault_for
 from autotune.runtime.mesh import ParallelDims
+from autotune.runtime.parallel.ep import token_imbalance
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.peak_flops import peak_flops
 from autotune.runtime.profiling import StepProfiler, StepTimer
@@ -113,6 +114,8 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
                 local_losses.append(trainer.step(batches))
 
     losses = global_losses(torch.stack(local_losses), mesh)
+    # Expert parallel: per MoE layer, max / mean tokens received by an ep rank (None at ep=1).
+    imbalance = token_imbalance(trainer.model, mesh, spec.warmup)
     # One gather after the measured steps, so measuring adds no communication to them.
     mine = dict(dataclasses.asdict(profiler.figures), comm_fraction=profiler.figures.comm_fraction,
                 exposed_comm_fraction=profiler.figures.exposed_comm_fraction, peak_flops=flops)
@@ -133,6 +136,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         **measurements(cfg, layout.world_size, per_rank, flops_source),
         "memory_budget_bytes": budget,
         "torch_version": torch.__version__,
+        "ep_token_imbalance": imbalance,
     }
     if not spec.profile:  # timed only: nothing else was measured
         for key in UNMEASURED_WITHOUT_PROFILER:

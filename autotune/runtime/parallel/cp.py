@@ -51,12 +51,16 @@ def apply_context_parallel(stage: nn.Module, cp_mesh: DeviceMesh, seq_len: int) 
     """Swap every block's attention core for the ring and give it this rank's positions.
 
     `stage` is a (meta-device) model or pipeline stage; positions are made on the
-    mesh's device, since they are neither parameters nor buffers that to_empty moves."""
+    mesh's device, since they are neither parameters nor buffers that to_empty moves.
+    A module that needs statistics of whole sequences (the MoE balance loss) exposes a
+    `sequence_group` and gets the cp group: its sequence's tokens live on those ranks."""
     positions = head_tail_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(),
                                     device=torch.device(cp_mesh.device_type))
     for block in stage.layers.values():
         block.attention.core = RingCoreAttention(cp_mesh)
         block.attention.positions = positions
+        if hasattr(block.mlp, "sequence_group"):
+            block.mlp.sequence_group = cp_mesh.get_group()
 
 
 class HeadTailSharder:

@@ -20,7 +20,11 @@ the optimizer over dp_shard_cp.
 
 Units: every block is its own FSDP unit (one all-gather / reduce per block, overlapped
 with the neighbouring blocks' compute), the embedding another, and the root holds the
-final norm and the output head. At zero=3 the root keeps its parameters gathered from
+final norm and the output head. Under expert parallel the routed experts of each MoE
+block are a unit of their own, wrapped the same way but on the expert meshes: they
+are sharded over edp_shard = dp_shard x cp / ep (HSDP: replicated over dp_replicate)
+and their gradients reduced over edp = dp x cp / ep, the ranks that hold the same
+experts (runtime/parallel/ep.py says why that gives the right average). At zero=3 the root keeps its parameters gathered from
 the end of forward to the start of backward (FSDP's default for the root), because
 backward needs the head first.
 
@@ -49,6 +53,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from autotune.config import ModelConfig
 from autotune.layout import Layout
 from autotune.runtime.mesh import Meshes
+from autotune.runtime.moe import moe_layers
+from autotune.runtime.parallel.ep import divide_expert_gradients
 from autotune.runtime.parallel.zero1 import zero_one_adamw
 
 
@@ -61,27 +67,41 @@ def mixed_precision_policy(cfg: ModelConfig, device: torch.device) -> MixedPreci
 
 def apply_data_parallel(model: nn.Module, mesh: Meshes, layout: Layout,
                         mp_policy: MixedPrecisionPolicy | None = None) -> None:
-    """Wrap the blocks, then the embedding, then the root, according to layout.zero."""
+    """Wrap the routed experts (under expert parallel), the blocks, the embedding, then
+    the root, according to layout.zero."""
     if mesh.size("dp_cp") == 1 and mp_policy is None:
         return
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    units = list(model.layers.values())
-    if model.tok_embeddings is not None:
-        units.append(model.tok_embeddings)
-    if layout.zero <= 1:
-        for unit in units:
-            replicate(unit, mesh=mesh["dp_cp"], mp_policy=mp_policy)
-        replicate(model, mesh=mesh["dp_cp"], mp_policy=mp_policy)
-        return
-    shard_mesh = mesh.hsdp() if mesh.size("dp_replicate") > 1 else mesh["dp_shard_cp"]
-    for unit in units:
-        fully_shard(unit, mesh=shard_mesh, mp_policy=mp_policy, reshard_after_forward=layout.zero == 3)
-    fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    hsdp = mesh.size("dp_replicate") > 1
+    if layout.ep > 1:
+        experts_mesh = mesh["edp"] if layout.zero <= 1 else mesh.expert_hsdp() if hsdp else mesh["edp_shard"]
+        for layer in moe_layers(model).values():
+            wrap(layer.experts, experts_mesh, layout.zero, mp_policy)
+            divide_expert_gradients(layer.experts, layout.ep)
+    dense_mesh = mesh["dp_cp"] if layout.zero <= 1 else mesh.hsdp() if hsdp else mesh["dp_shard_cp"]
+    for unit in list(model.layers.values()) + [model.tok_embeddings]:
+        if unit is not None:
+            wrap(unit, dense_mesh, layout.zero, mp_policy)
+    wrap(model, dense_mesh, layout.zero, mp_policy, root=True)
+
+
+def wrap(unit: nn.Module, mesh, zero: int, mp_policy: MixedPrecisionPolicy, root: bool = False) -> None:
+    """One FSDP unit as `zero` says (module docstring); `mesh` is 1-D for replicate and
+    sharding, 2-D (replicate, shard) for HSDP."""
+    if zero <= 1:
+        replicate(unit, mesh=mesh, mp_policy=mp_policy)
+    else:
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=zero == 3 and not root)
 
 
 def build_optimizer(model: nn.Module, mesh: Meshes, layout: Layout, **adamw_options) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters; at zero=1, over this rank's slices of them."""
+    """AdamW over the model's parameters; at zero=1, over this rank's slices of them:
+    dense parameters sliced over dp_shard x cp, expert-parallel experts over edp_shard."""
     params = list(model.parameters())
-    if layout.zero == 1 and mesh.size("dp_shard_cp") > 1:
-        return zero_one_adamw(params, mesh["dp_shard_cp"], **adamw_options)
-    return torch.optim.AdamW(params, **adamw_options)
+    if layout.zero != 1 or mesh.size("dp_shard_cp") == 1:
+        return torch.optim.AdamW(params, **adamw_options)
+    experts = {id(p) for layer in moe_layers(model).values() for p in layer.experts.parameters()} \
+        if layout.ep > 1 else set()
+    groups = [([p for p in params if id(p) not in experts], mesh["dp_shard_cp"]),
+              ([p for p in params if id(p) in experts], mesh["edp_shard"])]
+    return zero_one_adamw([(group, group_mesh) for group, group_mesh in groups if group], **adamw_options)

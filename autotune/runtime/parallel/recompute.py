@@ -2,21 +2,30 @@
 
     none       every activation the backward needs is kept from the forward.
     selective  each block is checkpointed with an op policy (torch's selective activation
-               checkpoint): the outputs of the matmuls, of fused attention kernels
-               (context parallel's ring attention included, as one kernel whose
-               transfers are not replayed) and of the collectives that end a
-               tensor-parallel half (all-reduce, reduce-scatter) are kept; everything
-               else (RMSNorm, RoPE, SiLU and gating, casts) is recomputed from them in
-               backward. Those element-wise ops cost few FLOPs but hold much of a
-               block's activation memory (about 40% on the tiny preset, measured by
-               the tests). Sequence-parallel all-gathers are recomputed (one more
-               all-gather per half), as in Megatron. Attention without a fused kernel
-               (the math path) is recomputed too, which drops its seq^2 scores:
-               Megatron's "selective" recompute.
+               checkpoint): the outputs of the matmuls (the experts' grouped ones
+               too), of fused attention kernels (context parallel's ring attention
+               included, as one kernel whose transfers are not replayed), of the
+               collectives that end a tensor-parallel half (all-reduce, reduce-scatter)
+               and of expert parallel's token all-to-alls are kept; everything else
+               (RMSNorm, RoPE, SiLU and gating, casts, the router's softmax) is
+               recomputed from them in backward. Those element-wise ops cost few FLOPs
+               but hold much of a block's activation memory (about 40% on the tiny
+               preset, measured by the tests). Sequence-parallel all-gathers are
+               recomputed (one more all-gather per half), as in Megatron. Attention
+               without a fused kernel (the math path) is recomputed too, which drops
+               its seq^2 scores: Megatron's "selective" recompute.
     full       each transformer block is recomputed from its input: a block keeps one
                [batch, seq, hidden] tensor (seq/tp with sequence parallel) instead of all
                its intermediates, for about one more forward of the whole model
                (~1/3 more compute).
+
+MoE blocks under selective recompute are checkpointed by parts instead (attention_norm,
+attention, mlp_norm, the routed experts, the shared experts), the router's glue
+(softmax, top-k, permutation) running outside: under expert parallel the experts are
+an FSDP unit of their own, and an FSDP unit inside a selectively checkpointed region
+breaks torch's check that the recompute replays the forward's ops (FSDP's hooks do
+different work in recompute). The experts' own wrapper becomes their FSDP unit, so
+FSDP's hooks stay outside it, as they do for a dense block.
 
 Applied after tensor and context parallel (so the recomputed code is the parallel
 code, collectives included; under full recompute CP's ring attention runs again, its
@@ -36,11 +45,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autotune_kernels.attention import RING_ATTENTION_OP
+from autotune.runtime.moe import MoE
 
 aten = torch.ops.aten
 # The ops whose outputs selective recompute keeps.
 SAVED_OPS = {
     aten.mm.default,
+    aten._grouped_mm.default,  # the MoE experts' grouped matmuls
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default,
@@ -48,6 +59,7 @@ SAVED_OPS = {
     RING_ATTENTION_OP,  # context parallel's ring: kept whole, its P2P transfers never replayed
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 
@@ -63,4 +75,11 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
     if mode == "selective":
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_expensive_ops)
     for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, **options)
+        if mode == "selective" and isinstance(block.mlp, MoE):
+            for part in ("attention_norm", "attention", "mlp_norm"):
+                setattr(block, part, checkpoint_wrapper(getattr(block, part), **options))
+            block.mlp.experts = checkpoint_wrapper(block.mlp.experts, **options)
+            if block.mlp.shared is not None:
+                block.mlp.shared = checkpoint_wrapper(block.mlp.shared, **options)
+        else:
+            model.layers[name] = checkpoint_wrapper(block, **options)

@@ -20,6 +20,12 @@ with contiguous column blocks rank r holds query heads [r*heads/tp, ...) and kv 
 [r*kv_heads/tp, ...), which are exactly the kv heads its query heads use. The layout
 rules refuse heads, kv heads, ffn or vocab that do not divide by tp.
 
+MoE blocks are not cut: the router and every expert stay whole on each tp rank, which
+all run the same routing on the same (gathered) tokens; expert parallel spreads the
+experts instead. Under sequence parallel the block's input is all-gathered like an
+MLP's and each rank keeps its own sequence shard of the (replicated) output, whose
+backward all-gathers the gradient.
+
 Sequence parallel (sp=1): outside attention and MLP (norms, residual adds) the
 activations are cut along the sequence instead of replicated, so norms run on seq/tp
 tokens and the residual stream takes 1/tp of the memory. The row-parallel outputs
@@ -36,6 +42,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -70,20 +77,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=stream),
         }
-        if isinstance(block.mlp, FeedForward):  # MoE blocks are cut by expert parallel instead
+        dense = isinstance(block.mlp, FeedForward)  # MoE blocks stay whole (module docstring)
+        if dense:
             plan.update({
                 "mlp.gate": ColwiseParallel(),
                 "mlp.up": ColwiseParallel(),
                 "mlp.down": RowwiseParallel(output_layouts=stream),
             })
         if sequence_parallel:
+            # The norms hand on sequence shards; attention and MLP need whole sequences.
+            whole = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
             plan.update({
                 "attention_norm": SequenceParallel(),
                 "mlp_norm": SequenceParallel(),
-                # The norms hand on sequence shards; attention and MLP need whole sequences.
-                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                use_local_output=True),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True),
+                "attention": PrepareModuleInput(**whole, use_local_output=True),
+                "mlp": PrepareModuleInput(**whole, use_local_output=True) if dense else PrepareModuleInputOutput(
+                    **whole, use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                    use_local_output=True),
             })
         parallelize_module(block, tp_mesh, plan)

@@ -101,10 +101,13 @@ class SlicedParameters:
                 offset += self.chunks[i]
 
 
-def zero_one_adamw(params: list[nn.Parameter], mesh: DeviceMesh, **adamw_options) -> torch.optim.AdamW:
-    """A torch AdamW whose state covers only this rank's slices of `params` over `mesh`."""
-    sliced = SlicedParameters(params, mesh)
-    optimizer = torch.optim.AdamW(sliced.slices, **adamw_options)
-    optimizer.register_step_pre_hook(sliced.before_step)
-    optimizer.register_step_post_hook(sliced.after_step)
+def zero_one_adamw(groups: list[tuple[list[nn.Parameter], DeviceMesh]], **adamw_options) -> torch.optim.AdamW:
+    """A torch AdamW whose state covers only this rank's slices of each group's
+    parameters over the group's mesh (dense parameters and expert-parallel experts are
+    replicated over different ranks, so they are sliced over different meshes)."""
+    sliced = [SlicedParameters(params, mesh) for params, mesh in groups]
+    optimizer = torch.optim.AdamW([piece for s in sliced for piece in s.slices], **adamw_options)
+    for s in sliced:
+        optimizer.register_step_pre_hook(s.before_step)
+        optimizer.register_step_post_hook(s.after_step)
     return optimizer
