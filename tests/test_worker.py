@@ -22,7 +22,7 @@ import psutil
 import pytest
 from optuna.trial import TrialState
 
-from autotune.storage import open_storage
+from autotune.storage import open_storage, redact, redact_text
 from autotune.study import MAX_RETRIES, RetryStaleTrial
 from postgres import postgres_db, with_password  # noqa: F401 - a fixture
 
@@ -151,6 +151,14 @@ def test_a_layout_that_keeps_killing_its_workers_fails_for_good(tmp_path):
     RetryStaleTrial()(study, study.get_trials()[-1])
     queued = study.get_trials()[-1]
     assert queued.state == TrialState.WAITING and queued.user_attrs["layout"] == "tp=1,..."
+
+
+def test_redaction_hides_every_form_of_the_password():
+    url = "postgresql://me:p%40ss@db:5432/x?sslpassword=k3y&sslmode=require"
+    assert redact(url) == "postgresql://me:***@db:5432/x?sslpassword=***&sslmode=require"
+    said = redact_text("could not connect as me:p%40ss (password p@ss, key k3y)", url)
+    assert "p%40ss" not in said and "p@ss" not in said and "k3y" not in said
+    assert redact("journal:/shared/sweep.journal") == "journal:/shared/sweep.journal"
 
 
 def one_error_line(result):
