@@ -25,6 +25,7 @@ from autotune.trialspec import TrialSpec
 
 DEFAULT_TRIAL_TIMEOUT_S = 900.0
 SAMPLERS = ("model", "tpe", "grid", "random")  # autotune.study.SAMPLERS, without importing optuna
+LAUNCHERS = ("local", "torchrun", "slurm")  # autotune.launch.LAUNCHERS, without importing psutil
 OBJECTIVES = ("tokens_per_s", "mfu")
 stderr = Console(stderr=True)
 
@@ -66,6 +67,24 @@ def positive_float(text: str) -> float:
     return value
 
 
+def host_list(text: str) -> tuple[str, ...]:
+    hosts = tuple(h.strip() for h in text.split(","))
+    if not all(hosts):
+        raise argparse.ArgumentTypeError(f"must be host names separated by commas, got {text!r}")
+    return hosts
+
+
+def add_launcher_options(p: argparse.ArgumentParser, default: str | None = "local") -> None:
+    """How a trial's processes start; README, "Sweeps on several machines"."""
+    p.add_argument("--launcher", choices=LAUNCHERS, default=default,
+                   help="local: every rank here (torchrun --standalone); torchrun: one agent per node of --hosts, "
+                        "c10d rendezvous; slurm: one srun step per trial in the current allocation"
+                        + (f" (default {default})" if default else " (default: the study's)"))
+    p.add_argument("--hosts", type=host_list, default=(), metavar="H1,H2,...",
+                   help="the nodes of a multi-node trial, first one hosting the rendezvous: localhost or this "
+                        "machine's name run here, others over ssh (slurm default: the allocation's nodes)")
+
+
 def add_trial_options(p: argparse.ArgumentParser) -> None:
     """Options shared by everything that runs trials."""
     p.add_argument("--steps", type=positive_int, default=5, help="measured optimizer steps (default 5)")
@@ -94,6 +113,9 @@ def build_parser() -> Parser:
                    help="peak TFLOP/s of one device for MFU (default: hardware preset, else a calibration GEMM)")
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="write each rank's profiler trace (Chrome/Perfetto JSON) to DIR/rank<N>.json")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="GPUs per node: a trial of more spans gpus / G nodes (with --launcher torchrun or slurm)")
+    add_launcher_options(p)
     add_trial_options(p)
     p.set_defaults(func=cmd_trial)
 
@@ -107,8 +129,13 @@ def build_parser() -> Parser:
     p.add_argument("--time-budget", type=positive_float, default=None, metavar="S",
                    help="start no trial after S seconds (default: none)")
     p.add_argument("--out", default=None, help="results folder (default results/<model>-<gpus>gpus)")
-    p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in --out)")
+    p.add_argument("--storage", default=None,
+                   help="where the study lives: sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB or "
+                        "journal:PATH, shared with `autotune worker` (default: SQLite in --out)")
     p.add_argument("--study-name", default=None, help="default <model>-<gpus>gpus")
+    p.add_argument("--heartbeat", type=positive_int, default=60, metavar="S",
+                   help="shared storage: running trials beat every S seconds; a trial silent for 4 x S is "
+                        "retried by another worker (default 60; stored with the study)")
     p.add_argument("--objective", choices=OBJECTIVES, default="tokens_per_s", help="default tokens_per_s")
     p.add_argument("--max-comm-fraction", type=fraction, default=None,
                    help="prune a layout whose exposed communication exceeds this share of the step "
@@ -116,14 +143,23 @@ def build_parser() -> Parser:
     p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="peak TFLOP/s per device for MFU (default: hardware preset, or measured on CPU)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
-                   help="GPUs per node (default: the hardware's)")
-    p.add_argument("--launcher", choices=("local",), default="local", help="how trials start (default local)")
+                   help="GPUs per node: TP stays inside one; a trial of more spans gpus / G nodes "
+                        "(default: the hardware's)")
+    add_launcher_options(p)
     p.add_argument("--trial-timeout", type=positive_float, default=None, metavar="S",
                    help="wall-clock limit of each trial (default: 5x its predicted run time, at least "
                         "180 s on CPU and 600 s on CUDA)")
     p.add_argument("--sampler", choices=SAMPLERS, default="model", help="default model (estimator-guided)")
     add_trial_options(p)
     p.set_defaults(func=cmd_run, steps=None, warmup=None)
+
+    p = sub.add_parser("worker", help="join a study on a shared storage and run its trials here")
+    p.add_argument("--storage", required=True, help="the study's storage URL (as given to autotune run)")
+    p.add_argument("--study-name", required=True, help="the study to join")
+    p.add_argument("--out", default=None, help="folder for this worker's trial logs and reports "
+                                               "(default results/<study-name>)")
+    add_launcher_options(p, default=None)
+    p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("models", help="list the model presets with their sizes")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
@@ -165,6 +201,7 @@ def default_hardware(device: str) -> str:
 
 
 def cmd_run(args) -> int:
+    from autotune.launch import Launcher
     from autotune.study import Question, run_sweep  # optuna and friends: only for commands that need them
 
     model = load_model(args.model)
@@ -176,6 +213,8 @@ def cmd_run(args) -> int:
         if args.gpus % args.gpus_per_node:
             raise UsageError(f"--gpus-per-node: must divide --gpus ({args.gpus}): a trial uses whole nodes, "
                              f"got {args.gpus_per_node}")
+    if args.gpus_per_node:  # the estimator prices communication inside and across nodes by it
+        hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
     options = space.options
     question = Question(
         model=dataclasses.asdict(model), gpus=args.gpus, space=dataclasses.asdict(space),
@@ -187,16 +226,26 @@ def cmd_run(args) -> int:
         warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
         gpus_per_node=args.gpus_per_node or hardware.gpus_per_node, launcher=args.launcher,
         trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops,
-        trial_timeout_s=args.trial_timeout)
+        trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat)
+    Launcher(question.launcher, question.gpus_per_node, args.hosts).check(args.gpus)  # before the study exists
     out = Path(args.out or f"results/{model.name}-{args.gpus}gpus")
-    return run_sweep(question, out, storage=args.storage, study_name=args.study_name)
+    return run_sweep(question, out, storage=args.storage, study_name=args.study_name, hosts=args.hosts)
+
+
+def cmd_worker(args) -> int:
+    from autotune.study import run_worker
+
+    return run_worker(args.storage, args.study_name, out=Path(args.out) if args.out else None,
+                      launcher=args.launcher, hosts=args.hosts)
 
 
 def cmd_trial(args) -> int:
-    from autotune.launch import run_trial  # imports psutil; `models` should not need to
+    from autotune.launch import Launcher, run_trial  # imports psutil; `models` should not need to
 
     model = load_model(args.model)
-    layout = resolve(args.layout, model, args.gpus)
+    layout = resolve(args.layout, model, args.gpus, args.gpus_per_node)
+    launcher = Launcher(args.launcher, args.gpus_per_node, args.hosts)
+    launcher.check(args.gpus)
     if args.hardware:
         load_hardware(args.hardware)  # a bad preset or file is a usage error here, not in every rank
     spec = TrialSpec(model=dataclasses.asdict(model), layout=str(layout), steps=args.steps,
@@ -204,7 +253,7 @@ def cmd_trial(args) -> int:
                      memory_budget_gb=args.memory_budget_gb, hardware=args.hardware,
                      peak_tflops=args.peak_tflops, trace_dir=os.path.abspath(args.trace) if args.trace else None)
     stderr.print(f"[bold]trial[/] {model.name} on {args.gpus} {args.device} ranks: {layout.short()}")
-    result = run_trial(spec, args.gpus, timeout_s=args.timeout)
+    result = run_trial(spec, args.gpus, timeout_s=args.timeout, launcher=launcher)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 
 from autotune.errors import UsageError
 from autotune.layout import INT_KEYS, STR_KEYS, Layout, parse_layout
+from autotune.storage import one_line, open_storage, redact
 
 LAYOUT_COLUMNS = ["tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "schedule", "vpp", "recompute", "sp"]
 CSV_COLUMNS = (["trial", "status", "reason"] + LAYOUT_COLUMNS +
@@ -100,10 +101,11 @@ def load_study(folder: Path, storage: str | None = None, study_name: str | None 
             raise UsageError(f"DIR {folder}: no study here (no study.db; give --storage for a shared storage)")
         storage = f"sqlite:///{db}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url, storage = storage, open_storage(storage)  # bad input in one line, without the password
     try:
         names = optuna.get_all_study_names(storage)
-    except Exception as e:  # a URL optuna cannot open: the driver's own message, on one line
-        raise UsageError(f"--storage: cannot open {storage!r} ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # a storage that opened but cannot be read: the driver's own words
+        raise UsageError(f"--storage {redact(url)}: cannot read it ({one_line(e, url)})") from None
     if study_name is None:
         if len(names) != 1:
             found = f"it holds {', '.join(names)}" if names else "it holds none"

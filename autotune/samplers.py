@@ -39,23 +39,24 @@ def key_distributions(layouts: list[Layout]) -> dict[str, CategoricalDistributio
     return out
 
 
-def taken_layouts(study: optuna.Study) -> set[str]:
-    """Layouts a trial has measured, pruned, failed on, or is running now.
+def holds_layout(t: FrozenTrial) -> bool:
+    """Whether this trial has its layout: measured, pruned, failed on, running, or queued
+    to run again (WAITING: the retry of a trial whose worker died).
 
     A trial that ended without an outcome of its own gave its layout back, to be
     measured again: its controller was interrupted (reason "interrupted"), or it died
     and was failed by the heartbeat or at resume (state FAIL with no status).
     """
-    taken = set()
-    for t in study.get_trials(deepcopy=False):
-        layout = t.user_attrs.get("layout")
-        if layout is None or t.user_attrs.get("reason") == "interrupted":
-            continue
-        if t.state == TrialState.FAIL and "status" not in t.user_attrs:
-            continue
-        if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING):
-            taken.add(layout)
-    return taken
+    if "layout" not in t.user_attrs or t.user_attrs.get("reason") == "interrupted":
+        return False
+    if t.state == TrialState.FAIL:
+        return "status" in t.user_attrs
+    return True
+
+
+def taken_layouts(study: optuna.Study) -> set[str]:
+    """Layouts no new trial may take: those of every trial that holds its layout."""
+    return {t.user_attrs["layout"] for t in study.get_trials(deepcopy=False) if holds_layout(t)}
 
 
 class LayoutSampler(BaseSampler):

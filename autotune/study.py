@@ -11,6 +11,13 @@ The controller never imports the distributed runtime and never joins a process
 group: Optuna stays in this process, trials run in children. Running the same
 command again (same --out) resumes: finished trials are kept, a trial left running
 by a killed controller is measured again, no layout is measured twice.
+
+Several machines share one study through a shared storage (storage.py): `run`
+creates it, `autotune worker` joins it and reads the question from it. Each trial
+claims its layout under the study's claim lock, running trials beat (Optuna's
+heartbeats), and a trial whose worker stopped beating is failed and queued again
+(RetryStaleTrial) for whichever worker comes next; a worker with nothing left to
+start waits while other trials run, so such a retry is never left behind.
 """
 
 from __future__ import annotations
@@ -20,26 +27,28 @@ import dataclasses
 import fcntl
 import json
 import math
+import os
 import re
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
-import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from autotune.config import HardwareConfig, ModelConfig, model_from_dict
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, calibrate, estimate
-from autotune.launch import run_trial
+from autotune.launch import Launcher, run_trial
 from autotune.report import write_csv, write_reports
 from autotune.layout import Layout
 from autotune.progress import Progress, summary_table
 from autotune.samplers import (GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler,
-                               layout_from_params)
+                               holds_layout, layout_from_params)
 from autotune.space import Space, valid_layouts
+from autotune.storage import HEARTBEAT_ATTR, Claim, open_storage, optuna_quiet, redact
 from autotune.trialspec import TrialSpec
 
 GB = 1024 ** 3
@@ -49,7 +58,12 @@ TIMEOUT_FLOOR_S = {"cpu": 180.0, "cuda": 600.0}
 TIMEOUT_PREDICTION_FACTOR = 5.0
 # Measured figures copied from a trial's JSON into the Optuna trial's user attributes.
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_mem_bytes",
-                 "comm_fraction", "exposed_comm_fraction", "grad_accum", "world_size", "duration_s", "peak_tflops")
+                 "comm_fraction", "exposed_comm_fraction", "grad_accum", "world_size", "duration_s",
+                 "peak_tflops")
+# A trial whose worker died is run again at most this many times, then failed for good.
+MAX_RETRIES = 2
+# Who runs a trial (the trial's "worker" attribute): this machine and process.
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass
@@ -74,6 +88,7 @@ class Question:
     time_budget_s: float | None = None
     peak_tflops: float | None = None
     trial_timeout_s: float | None = None  # None: from the estimate, with a floor
+    heartbeat_s: int = 60  # shared storages: every worker beats this often; stale after 4 beats missed
 
     @property
     def model_config(self) -> ModelConfig:
@@ -107,23 +122,50 @@ class Tally:
 
 
 def open_study(question: Question, out: Path, storage: str | None, study_name: str | None) -> optuna.Study:
-    """Create the study, or load it when this folder (or storage) already holds it."""
+    """Create the study, or load it when this folder (or storage) already holds it. In a
+    shared storage the study is returned with heartbeats on (join_study)."""
     url = storage or f"sqlite:///{out / 'study.db'}"
     name = study_name or f"{question.model['name']}-{question.gpus}gpus"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        study = optuna.create_study(study_name=name, storage=url, direction="maximize", load_if_exists=True)
-    except sqlalchemy.exc.SQLAlchemyError as e:
-        where = out / "study.db" if storage is None else redact(storage)
-        raise UsageError(f"storage {where}: cannot open the study database "
-                         f"({redact(str(e.orig if getattr(e, 'orig', None) else e)).splitlines()[0]})") from None
+    study = optuna.create_study(study_name=name, storage=open_storage(url), direction="maximize",
+                                load_if_exists=True)
     stored = study.user_attrs.get("question")
     if stored is None:
         study.set_user_attr("question", dataclasses.asdict(question))
     elif Question(**stored).identity() != question.identity():
-        raise UsageError(f"--out {out}: holds a study of another question (model, gpus, space, device or "
+        where = f"--out {out}" if storage is None else f"--study-name {name} in --storage {redact(storage)}"
+        raise UsageError(f"{where}: holds a study of another question (model, gpus, space, device or "
                          f"objective differ); give another --out or --study-name")
-    return study
+    if storage is None:
+        return study
+    return join_study(storage, name, Question(**study.user_attrs["question"]).heartbeat_s)
+
+
+def join_study(storage: str, study_name: str, heartbeat_s: int) -> optuna.Study:
+    """The study on a storage whose running trials beat every heartbeat_s seconds, and whose
+    stale trials (their worker died) are retried. Every worker uses the study's own interval:
+    a worker that expected beats more often would fail live trials of the others."""
+    storage_object = open_storage(storage, heartbeat_s=heartbeat_s, stale_callback=RetryStaleTrial())
+    return optuna.load_study(study_name=study_name, storage=storage_object)
+
+
+class RetryStaleTrial:
+    """Optuna's retry of a stale trial (queued again as WAITING, with its layout), at most
+    MAX_RETRIES times; after that the layout gets an outcome of its own, failed/crash, so a
+    layout that keeps killing its workers is not handed out forever."""
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        trial.system_attrs.pop(HEARTBEAT_ATTR, None)  # the retry beats afresh (journal storage)
+        with optuna_quiet():
+            retried = len(optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(trial))
+            if retried < MAX_RETRIES:
+                optuna.storages.RetryHeartbeatStaleTrialCallback()(study, trial)
+                return
+        study.add_trial(optuna.trial.create_trial(
+            state=TrialState.FAIL, params=trial.params, distributions=trial.distributions,
+            user_attrs={**trial.user_attrs, "status": "failed", "reason": "crash",
+                        "error": f"its worker stopped (no heartbeat) on each of {retried + 1} attempts, "
+                                 f"the last {trial.user_attrs.get('worker', '')}"}))
 
 
 def make_sampler(question: Question, layouts: list[Layout], study_score) -> LayoutSampler:
@@ -137,18 +179,26 @@ def make_sampler(question: Question, layouts: list[Layout], study_score) -> Layo
 
 
 class Controller:
-    """Runs trials of one study until the budget is spent or every layout is taken."""
+    """Runs trials of one study until the budget is spent or every layout is taken.
 
-    def __init__(self, question: Question, study: optuna.Study, out: Path, progress=None):
+    shared: other workers may use the study (a shared storage with heartbeats); then a
+    worker with nothing to start waits while their trials run."""
+
+    def __init__(self, question: Question, study: optuna.Study, out: Path, claim: Claim, progress=None,
+                 launcher: Launcher | None = None, shared: bool = False):
         self.q = question
         self.study = study
         self.out = out
+        self.claim = claim
+        self.shared = shared
         self.model = question.model_config
         self.hardware = question.hardware_config
         self.layouts = valid_layouts(self.model, question.gpus, question.space_config, question.gpus_per_node)
         self.budget_bytes = question.memory_budget_gb * GB if question.memory_budget_gb else None
         self.sampler = make_sampler(question, self.layouts, self.scorer)
         study.sampler = self.sampler  # the sampler depends on the layouts, known only now
+        self.launcher = launcher or Launcher(question.launcher, question.gpus_per_node)
+        self.launcher.check(question.gpus)
         self.progress = progress
         self.tally = Tally()
 
@@ -183,30 +233,62 @@ class Controller:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> Tally:
-        """Optimize until --trials launches, --time-budget seconds, or no untaken layout.
+        """Run trials until --trials launches in the whole study, --time-budget seconds of this
+        process, or no layout is left to start.
 
-        Optuna's own loop (`optimize`) runs the trials, so heartbeats of a shared storage
-        work and a trial of a dead worker is failed and given back (see taken_layouts)."""
+        Each trial is one call of Optuna's `optimize`, so a shared storage's heartbeats and
+        stale-trial retries work. It starts under the claim: no other worker chooses a layout
+        between the check that one is left and the trial's layout attribute being written
+        (the objective releases the claim there); stale trials are failed and queued again
+        under the claim too, so a retried layout is never free in between."""
         self.recount()
-        if self.budget_left():
-            self.study.optimize(self.objective, timeout=self.q.time_budget_s, callbacks=[self.stop_when_done],
-                                catch=(TrialFailed,), gc_after_trial=False)
+        deadline = None if self.q.time_budget_s is None else time.monotonic() + self.q.time_budget_s
+        told_waiting = False
+        while deadline is None or time.monotonic() < deadline:
+            self.claim.acquire()
+            try:
+                if self.shared:
+                    with optuna_quiet():
+                        optuna.storages.fail_stale_trials(self.study)
+                trials = self.study.get_trials(deepcopy=False)
+                if self.can_start(trials):
+                    self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
+                    told_waiting = False
+                    continue
+            finally:
+                self.claim.release()
+            running = [t.number for t in trials if t.state == TrialState.RUNNING]
+            if not (self.shared and running):
+                break
+            if self.progress and not told_waiting:
+                self.progress.console.print(f"waiting: nothing left to start while trials {running} run elsewhere "
+                                            f"(a trial whose worker dies is retried here)", highlight=False)
+                told_waiting = True
+            time.sleep(min(self.q.heartbeat_s, 10))
         return self.tally
 
-    def budget_left(self) -> bool:
-        if self.q.trials is not None and self.tally.launched >= self.q.trials:
+    def can_start(self, trials: list) -> bool:
+        """A retry is queued, or an untaken layout is left and the launch budget is not spent."""
+        if any(t.state == TrialState.WAITING for t in trials):
+            return True
+        taken = {t.user_attrs["layout"] for t in trials if holds_layout(t)}
+        if all(str(layout) in taken for layout in self.layouts):
             return False
-        return bool(self.sampler.untaken(self.study))
+        return self.q.trials is None or self.launches(trials) < self.q.trials
 
-    def stop_when_done(self, study: optuna.Study, trial) -> None:
-        if not self.budget_left():
-            study.stop()
+    @staticmethod
+    def launches(trials: list) -> int:
+        """Trials of the study that launched or may launch: every holder of a layout but
+        those the estimator pruned unlaunched."""
+        return sum(holds_layout(t) and t.user_attrs.get("reason") != "predicted_oom" for t in trials)
 
     def objective(self, trial: optuna.Trial) -> float:
         params = {key: trial.suggest_categorical(key, dist.choices)
                   for key, dist in self.sampler.distributions.items()}
         layout = layout_from_params(self.sampler, params)
         trial.set_user_attr("layout", str(layout))
+        trial.set_user_attr("worker", WORKER)
+        self.claim.release()  # the layout is claimed: other workers may choose now
         trial.set_user_attr("layout_short", layout.short())
         predicted = self.predict(layout, self.calibration())
         for key in ("peak_mem_bytes", "tokens_per_s", "step_time_s", "mfu", "comm_fraction"):
@@ -241,7 +323,7 @@ class Controller:
         timeout = max(floor, TIMEOUT_PREDICTION_FACTOR * predicted_run) if math.isfinite(predicted_run) else floor
         timeout = self.q.trial_timeout_s or timeout
         trial_dir = self.out / "trials" / str(number)
-        record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir)
+        record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir, launcher=self.launcher)
         (trial_dir / "result.json").write_text(json.dumps(record, indent=2))
         return record
 
@@ -293,11 +375,6 @@ class Controller:
                 self.tally.launched += 1  # --trials counts launches over every run of the study
 
 
-def redact(text: str) -> str:
-    """A storage URL (or a message quoting one) with its password replaced by ***."""
-    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
-
-
 class TrialFailed(Exception):
     """A trial that crashed, raised or timed out: Optuna records it as FAIL and goes on."""
 
@@ -334,35 +411,64 @@ def results_folder(out: Path, exclusive: bool):
 
 
 def run_sweep(question: Question, out: Path, storage: str | None = None, study_name: str | None = None,
-              console=None) -> int:
+              console=None, hosts: tuple[str, ...] = ()) -> int:
     """`autotune run`: open or resume the study, run trials, write the results. Returns the
     exit code (0, or 130 when interrupted with Ctrl-C: the running trial is killed and
     marked, the CSV written, and the next run resumes)."""
-    from rich.console import Console
-
-    console = console or Console(stderr=True)
     with results_folder(out, exclusive=storage is None):
         study = open_study(question, out, storage, study_name)
         if storage is None:
             fail_abandoned_trials(study)
         title = (f"{question.model['name']} on {question.gpus} {question.device} GPUs · space "
                  f"{question.space['name']} · sampler {question.sampler} · {out}")
-        controller = Controller(question, study, out)
-        interrupted = False
-        with Progress(title, question.objective, len(controller.layouts), question.trials,
-                      question.time_budget_s, console) as progress:
+        launcher = Launcher(question.launcher, question.gpus_per_node, tuple(hosts))
+        claim = Claim(storage or f"sqlite:///{out / 'study.db'}", study.study_name)
+        return sweep(Controller(question, study, out, claim, launcher=launcher, shared=storage is not None),
+                     title, "run the same command to resume", console)
+
+
+def run_worker(storage: str, study_name: str, out: Path | None = None, launcher: str | None = None,
+               hosts: tuple[str, ...] = (), console=None) -> int:
+    """`autotune worker`: join a study that `run` created on a shared storage, read the
+    question from it, and run its trials on this machine's GPUs (or nodes) until the
+    budget is spent or every layout has an outcome."""
+    from autotune.report import load_study
+
+    plain = load_study(out or Path("."), storage, study_name)  # a missing study is bad input
+    question = Question(**plain.user_attrs["question"])
+    out = out or Path("results") / plain.study_name
+    with results_folder(out, exclusive=False):
+        study = join_study(storage, plain.study_name, question.heartbeat_s)
+        title = (f"worker {WORKER} · study {plain.study_name}: {question.model['name']} on {question.gpus} "
+                 f"{question.device} GPUs · space {question.space['name']} · {out}")
+        launch = Launcher(launcher or question.launcher, question.gpus_per_node, tuple(hosts))
+        return sweep(Controller(question, study, out, Claim(storage, plain.study_name), launcher=launch,
+                                shared=True), title, "start the worker again to go on", console)
+
+
+def sweep(controller: Controller, title: str, resume_hint: str, console=None) -> int:
+    """Run the controller with progress on stderr, then write trials.csv, report.html and best/."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    q, out = controller.q, controller.out
+    interrupted = False
+    try:
+        with Progress(title, q.objective, len(controller.layouts), q.trials, q.time_budget_s, console) as progress:
             controller.progress = progress
             try:
                 controller.run()
             except KeyboardInterrupt:
                 interrupted = True
-        frame = write_reports(study, out)  # trials.csv, report.html, best/
-        console.print(summary_table(frame, question.objective))
-        if interrupted:
-            console.print(f"interrupted: {out / 'trials.csv'} is written; run the same command to resume")
-            return 130
-        best = controller.tally.best
-        if best:
-            console.print(f"best: {best.get('layout_short')}  ({best['value']:,.4g} {question.objective})")
-        console.print(f"results: {out / 'trials.csv'} · report: {out / 'report.html'}")
-        return 0
+    finally:
+        controller.claim.close()
+    frame = write_reports(controller.study, out)  # trials.csv, report.html, best/
+    console.print(summary_table(frame, q.objective))
+    if interrupted:
+        console.print(f"interrupted: {out / 'trials.csv'} is written; {resume_hint}")
+        return 130
+    best = controller.tally.best
+    if best:
+        console.print(f"best: {best.get('layout_short')}  ({best['value']:,.4g} {q.objective})")
+    console.print(f"results: {out / 'trials.csv'} · report: {out / 'report.html'}")
+    return 0

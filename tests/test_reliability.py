@@ -134,14 +134,14 @@ def test_a_corrupt_study_database_is_reported_and_kept(tmp_path):
     (out_dir / "study.db").write_bytes(garbage)
     out = sweep(out_dir, "--trials", "1")
     assert out.returncode == 2
-    assert "cannot open the study database" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "cannot open it" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert (out_dir / "study.db").read_bytes() == garbage
 
 
 def test_an_unreachable_storage_is_one_line_without_the_password(tmp_path):
     out = sweep(tmp_path / "s", "--trials", "1", "--storage", "postgresql://alice:hunter2@127.0.0.1:1/nowhere")
     assert out.returncode == 2
-    assert "cannot open the study database" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "cannot open it" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "hunter2" not in out.stderr and "alice:***@" in out.stderr
 
 

@@ -1,0 +1,241 @@
+"""Where a study lives, and the one lock its workers share.
+
+    sqlite:///PATH                          one machine (the default: study.db in --out)
+    postgresql://USER:PASSWORD@HOST/DB      several machines, through psycopg2
+    journal:PATH                            several machines sharing a filesystem: Optuna's
+                                            JournalStorage on a file (with its own file lock)
+
+Shared storages get Optuna's heartbeats: each running trial records one every
+`heartbeat_s` seconds, and a running trial whose last beat is older than the grace
+period (GRACE_HEARTBEATS x heartbeat_s) is stale: its worker died. Optuna 5 has
+heartbeats for RDB storages only; `JournalHeartbeatStorage` adds them to the journal
+in Optuna's own terms (a trial system attribute holding the worker's clock), so the
+same `fail_stale_trials` and retry callback serve both.
+
+The claim: two workers may pick the same untaken layout at the same moment, so the
+step from "which layouts are untaken" to "this trial's layout attribute is written"
+runs under a lock held by one worker of the study at a time: a PostgreSQL advisory
+lock (released by the server if the worker dies), or a file lock next to the SQLite
+or journal file.
+
+A URL may hold a password: `redact` and `redact_text` are the only forms of it that
+reach a message, a log or a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import time
+import urllib.parse
+import warnings
+from pathlib import Path
+
+import optuna
+import sqlalchemy
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages._heartbeat import BaseHeartbeat
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from autotune.errors import UsageError
+
+GRACE_HEARTBEATS = 4  # a trial is stale after this many missed heartbeats
+HEARTBEAT_ATTR = "heartbeat"  # journal storage: the wall-clock time of a trial's last beat
+JOURNAL_PREFIX = "journal:"
+SCHEMES = "sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB or journal:PATH"
+
+
+# -- credentials ----------------------------------------------------------------------------
+
+def secrets(url: str) -> list[str]:
+    """The parts of a URL never to show: its password, and any password-like query value
+    (libpq also reads ?password=...), in plain and in percent-encoded form."""
+    if url.startswith(JOURNAL_PREFIX) or "://" not in url:
+        return []
+    parsed = urllib.parse.urlsplit(url)
+    found = [parsed.password] if parsed.password else []
+    found += [value for key, value in urllib.parse.parse_qsl(parsed.query) if "password" in key.lower()]
+    out = set()
+    for secret in found:
+        out.update({secret, urllib.parse.unquote(secret), urllib.parse.quote(secret, safe="")})
+    return sorted((s for s in out if s), key=len, reverse=True)
+
+
+def redact_text(text: str, url: str | None) -> str:
+    """`text` with every secret of `url` replaced by ***."""
+    for secret in secrets(url) if url else []:
+        text = text.replace(secret, "***")
+    return text
+
+
+def redact(url: str | None) -> str:
+    """The URL as it may be shown: postgresql://user:***@host/db."""
+    return redact_text(url, url) if url else ""
+
+
+# -- opening a storage ----------------------------------------------------------------------
+
+def kind(url: str) -> str:
+    """sqlite, postgresql or journal; anything else is bad input."""
+    if url.startswith(JOURNAL_PREFIX):
+        if not url[len(JOURNAL_PREFIX):]:
+            raise UsageError("--storage: journal: needs a file path (journal:PATH)")
+        return "journal"
+    if url.startswith("sqlite:///"):
+        return "sqlite"
+    if url.startswith(("postgresql://", "postgresql+psycopg2://")):
+        return "postgresql"
+    raise UsageError(f"--storage: {redact(url)!r} is not one of {SCHEMES}")
+
+
+def driver_url(url: str) -> str:
+    """postgresql:// through psycopg2 (a dependency), which SQLAlchemy 2.1 no longer picks
+    by default."""
+    return "postgresql+psycopg2://" + url[len("postgresql://"):] if url.startswith("postgresql://") else url
+
+
+def journal_path(url: str) -> Path:
+    return Path(url[len(JOURNAL_PREFIX):]).expanduser()
+
+
+def open_storage(url: str, heartbeat_s: int | None = None, stale_callback=None) -> BaseStorage:
+    """An Optuna storage for `url`; with heartbeat_s, trials beat and stale ones are failed
+    (and passed to stale_callback). A storage that cannot be opened is bad input, told in
+    one line without the password."""
+    heartbeat = {}
+    if heartbeat_s is not None:
+        heartbeat = {"heartbeat_interval": heartbeat_s, "grace_period": GRACE_HEARTBEATS * heartbeat_s,
+                     "heartbeat_stale_trial_callback": stale_callback}
+    how = kind(url)
+    try:
+        if how == "journal":
+            path = journal_path(url)
+            if not path.parent.is_dir():
+                raise UsageError(f"--storage: journal file {path}: no such folder {path.parent}")
+            backend = JournalFileBackend(str(path))
+            if heartbeat:
+                return JournalHeartbeatStorage(backend, **heartbeat)
+            return JournalStorage(backend)
+        engine_kwargs = {"pool_pre_ping": True} if how == "postgresql" else {}
+        with optuna_quiet():
+            return RDBStorage(driver_url(url), engine_kwargs=engine_kwargs, **heartbeat)
+    except UsageError:
+        raise
+    except Exception as e:  # the driver's own words, first line, without the password
+        raise UsageError(f"storage {redact(url)}: cannot open it ({one_line(e, url)})") from None
+
+
+def one_line(error: BaseException, url: str) -> str:
+    text = str(error).strip().splitlines()
+    return redact_text(text[0] if text else type(error).__name__, url)
+
+
+@contextlib.contextmanager
+def optuna_quiet():
+    """Silence Optuna's ExperimentalWarning for the features autotune relies on on purpose
+    (heartbeats, the retry callback)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+class JournalHeartbeatStorage(JournalStorage, BaseHeartbeat):
+    """JournalStorage with Optuna's heartbeat interface.
+
+    A beat is the worker's wall-clock time in the trial's system attribute `heartbeat`:
+    the workers' clocks must agree to well within the grace period (NTP does). A trial
+    that has not beaten yet is not stale (as in RDBStorage)."""
+
+    def __init__(self, backend, heartbeat_interval: int, grace_period: int, heartbeat_stale_trial_callback=None):
+        super().__init__(backend)
+        self.heartbeat_interval = heartbeat_interval
+        self.grace_period = grace_period
+        self.stale_callback = heartbeat_stale_trial_callback
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        try:
+            self.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, time.time())
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker found it stale and failed it; the trial's own end says so
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        now = time.time()
+        return [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+                if now - t.system_attrs.get(HEARTBEAT_ATTR, now) > self.grace_period]
+
+    def get_heartbeat_interval(self) -> int | None:
+        return self.heartbeat_interval
+
+    def get_heartbeat_stale_trial_callback(self):
+        return self.stale_callback
+
+
+# -- the claim ------------------------------------------------------------------------------
+
+class Claim:
+    """One worker of a study at a time may choose and claim a layout.
+
+    acquire() blocks until this worker holds it; release() is harmless when not held,
+    so the code that writes the layout and the code that ends the trial may both call it."""
+
+    def __init__(self, url: str, study_name: str):
+        self.url = url
+        self.study_name = study_name
+        self.held = False
+        self._file = None
+        self._connection = None
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        if kind(self.url) == "postgresql":
+            try:
+                self._advisory_lock()
+            except sqlalchemy.exc.OperationalError:  # the idle session was dropped during a trial: reconnect
+                self._connection = None
+                self._advisory_lock()
+        else:
+            self._file = open(self.lock_path(), "a")
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+        self.held = True
+
+    def _advisory_lock(self) -> None:
+        if self._connection is None:  # one session, kept: the lock belongs to the session
+            engine = sqlalchemy.create_engine(driver_url(self.url), poolclass=sqlalchemy.pool.NullPool)
+            self._connection = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        self._connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": self.key()})
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        if self._connection is not None:
+            self._connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": self.key()})
+        else:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+        self.held = False
+
+    def close(self) -> None:
+        self.release()
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def key(self) -> int:
+        """A signed 64-bit advisory-lock key of this study (advisory locks are per database)."""
+        digest = hashlib.blake2b(f"autotune-claim:{self.study_name}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big", signed=True)
+
+    def lock_path(self) -> str:
+        """A hidden file next to the storage's file, so every worker that sees the storage
+        sees the lock (one lock per file: the studies of one file take turns)."""
+        if kind(self.url) == "journal":
+            path = str(journal_path(self.url))
+        else:
+            path = sqlalchemy.engine.make_url(self.url).database
+        folder, name = os.path.split(os.path.abspath(path))
+        return os.path.join(folder, f".{name}.claim")
