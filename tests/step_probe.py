@@ -131,7 +131,7 @@ def mixed_precision_step(layouts: list[str], steps: int = 3) -> list[dict]:
             "params": sorted({str(p.dtype) for p in model.parameters()}),
             "optimizer_state": sorted({str(t.dtype) for state in optimizer.state.values()
                                        for key, t in state.items() if key != "step"}),
-            "losses": global_losses(shares, mesh),
+            "losses": global_losses(shares, mesh, trainer.holds_loss),
         })
     return results
 

@@ -6,13 +6,22 @@ Each micro-batch's loss is its token mean divided by grad_accum, so that the gra
 summed over micro-batches and averaged over data-parallel ranks (FSDP averages) are
 those of the mean over the whole global batch, whatever the split. Gradients are
 synchronised on the last micro-batch only.
+
+Gradient clipping (a trial's `max_grad_norm`, off by default) scales every gradient by
+min(1, max_norm / norm), norm being the global L2 norm of all the model's gradients:
+each shard's part is summed by DTensor over the tensor- and data-parallel shards, and
+the pipeline trainer adds the other stages' parts over the pipeline group. Every layout
+therefore clips exactly as one process would.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+from collections import defaultdict
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -23,14 +32,41 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
+                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the gradients of `parameters` (this rank's, of every stage it runs) to a global
+    L2 norm of `max_norm`; returns that norm before clipping.
+
+    Gradients are grouped by the mesh their DTensor lives on (parameters of different
+    dimensions, e.g. experts, may live on different meshes): each group's norm is a
+    DTensor reduced over its shards by `full_tensor`. The squares are summed, then over
+    the pipeline stages, so every rank scales by the same factor."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh = defaultdict(list)
+    for grad in grads:
+        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(grad)
+    square = torch.zeros((), device=grads[0].device if grads else None)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        square = square + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+    if pipeline_group is not None:
+        dist.all_reduce(square, group=pipeline_group)
+    norm = square.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
+
+
 class Trainer:
     """Forward, backward and optimizer step of a model that is not pipelined."""
 
+    holds_loss = True  # every rank computes the loss of its micro-batches
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_context=contextlib.nullcontext):
+                 loss_context=contextlib.nullcontext, max_grad_norm: float | None = None):
         self.model = model
         self.optimizer = optimizer
         self.loss_context = loss_context  # loss_parallel() under tensor parallel
+        self.max_grad_norm = max_grad_norm
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Train on this rank's micro-batches; returns the rank's share of the loss."""
@@ -42,6 +78,8 @@ class Trainer:
                 loss = cross_entropy(self.model(inputs), labels) / len(batches)
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        if self.max_grad_norm is not None:
+            clip_grad_norm(list(self.model.parameters()), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total

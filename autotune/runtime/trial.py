@@ -70,7 +70,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         synchronize(device)
         step_times.append(time.perf_counter() - start)
 
-    losses = global_losses(torch.stack(local_losses), mesh)
+    losses = global_losses(torch.stack(local_losses), mesh, trainer.holds_loss)
     # A step ends when its slowest rank ends: the step time is the max over ranks.
     times = torch.tensor(step_times, dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -96,15 +96,16 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     }
 
 
-def global_losses(local: torch.Tensor, mesh) -> list[float]:
+def global_losses(local: torch.Tensor, mesh, holds_loss: bool) -> list[float]:
     """Mean loss of the global batch per step, the same on every rank.
 
-    Every rank of a tp group holds the same loss, and only the last pipeline stage
-    holds one at all; so those ranks contribute local / (dp*cp) and the others zero,
-    and one all-reduce over the world gives the mean over data-parallel ranks.
+    Every rank of a tp group holds the same loss, and only the ranks that run the last
+    pipeline stage (`holds_loss`: the last pipeline rank, or the first under a V
+    schedule) hold one at all; so tp rank 0 of those contributes local / (dp*cp), the
+    others zero, and one all-reduce over the world gives the mean over data-parallel ranks.
     """
-    holds_loss = mesh["tp"].get_local_rank() == 0 and mesh["pp"].get_local_rank() == mesh["pp"].size() - 1
-    share = local.double() / mesh["dp_cp"].size() if holds_loss else torch.zeros_like(local, dtype=torch.float64)
+    counted = holds_loss and mesh["tp"].get_local_rank() == 0
+    share = local.double() / mesh["dp_cp"].size() if counted else torch.zeros_like(local, dtype=torch.float64)
     share = share.cpu()
     if dist.get_backend() == "nccl":
         share = share.to(local.device)

@@ -74,8 +74,11 @@ def apply_data_parallel(model: nn.Module, mesh: Meshes, layout: Layout,
         replicate(model, mesh=mesh["dp_cp"], mp_policy=mp_policy)
         return
     shard_mesh = mesh.hsdp() if mesh.size("dp_replicate") > 1 else mesh["dp_shard_cp"]
+    # Under PP a stage runs several forwards before their backwards: keep its parameters
+    # gathered between them (torch's schedules reshard once, after the step's last backward).
+    reshard = layout.zero == 3 and layout.pp == 1
     for unit in units:
-        fully_shard(unit, mesh=shard_mesh, mp_policy=mp_policy, reshard_after_forward=layout.zero == 3)
+        fully_shard(unit, mesh=shard_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=shard_mesh, mp_policy=mp_policy, reshard_after_forward=False)
 
 
