@@ -89,6 +89,8 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
     p.add_argument("--timeout", type=positive_float, default=DEFAULT_TRIAL_TIMEOUT_S,
                    help=f"wall-clock limit in seconds (default {DEFAULT_TRIAL_TIMEOUT_S:.0f})")
+    p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="N",
+                   help="clip gradients to this global L2 norm, across every shard and stage (default: off)")
     add_trial_options(p)
     p.set_defaults(func=cmd_trial)
 
@@ -184,7 +186,8 @@ def cmd_trial(args) -> int:
     layout = resolve(args.layout, model, args.gpus)
     spec = TrialSpec(model=dataclasses.asdict(model), layout=str(layout), steps=args.steps,
                      warmup=args.warmup, seed=args.seed, device=args.device,
-                     memory_budget_gb=args.memory_budget_gb, hardware=args.hardware)
+                     memory_budget_gb=args.memory_budget_gb, hardware=args.hardware,
+                     max_grad_norm=args.max_grad_norm)
     stderr.print(f"[bold]trial[/] {model.name} on {args.gpus} {args.device} ranks: {layout.short()}")
     result = run_trial(spec, args.gpus, timeout_s=args.timeout)
     if args.json:

@@ -43,14 +43,19 @@ def step_batches(cfg, layout, mesh, step: int):
                          cfg.seq_len, cfg.vocab_size)
 
 
-def trainer_for(text: str):
+def trainer_for(text: str, **spec_fields):
     """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them."""
     cfg = load_model(MODEL)
     layout = resolve(text, cfg, dist.get_world_size())
     mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
     trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
-                            TrialSpec(model=dataclasses.asdict(cfg), layout=text))
+                            TrialSpec(model=dataclasses.asdict(cfg), layout=text, **spec_fields))
     return cfg, layout, mesh, trainer
+
+
+def model_parts(trainer) -> list:
+    """The modules a rank trains: the model, or its pipeline stages."""
+    return trainer.model if isinstance(trainer.model, list) else [trainer.model]
 
 
 def memory_by_kind(snapshot: dict) -> dict:
@@ -58,23 +63,27 @@ def memory_by_kind(snapshot: dict) -> dict:
     return {getattr(kind, "value", kind): size for kind, size in snapshot[torch.device("cpu")].items()}
 
 
-def first_step_gradients(layouts: list[str]) -> list[dict] | None:
-    """{plain name: flat list} of the full gradients the optimizer sees at step 0, per layout
-    (on rank 0; None elsewhere). Not for zero=1, whose optimizer takes its gradient slices
-    before any hook registered after it could look."""
+def first_step_gradients(layouts: list[str], spec_fields: dict | None = None) -> list[dict] | None:
+    """{plain name: flat list} of the full gradients the optimizer sees at step 0 (after
+    clipping, if `spec_fields` asks for it), per layout, gathered from every pipeline
+    stage (on rank 0; None elsewhere). Not for zero=1, whose optimizer takes its
+    gradient slices before any hook registered after it could look."""
     results = []
     for text in layouts:
-        cfg, layout, mesh, trainer = trainer_for(text)
+        cfg, layout, mesh, trainer = trainer_for(text, **(spec_fields or {}))
         assert layout.zero != 1
         grads = {}
 
         def capture(optimizer, args, kwargs):
-            for name, param in trainer.model.named_parameters():
-                grads[plain_name(name)] = full(param.grad).flatten().tolist()
+            for part in model_parts(trainer):
+                for name, param in part.named_parameters():
+                    grads[plain_name(name)] = full(param.grad).flatten().tolist()
 
         trainer.optimizer.register_step_pre_hook(capture)
         trainer.step(step_batches(cfg, layout, mesh, 0))
-        results.append(grads)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, grads)
+        results.append({name: grad for rank_grads in everyone for name, grad in rank_grads.items()})
     return results if dist.get_rank() == 0 else None
 
 
