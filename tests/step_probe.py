@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -234,3 +235,53 @@ def zero_one_against_adamw(shapes: list[list[int]], bucket_elements: int, steps:
         "state_elements": sum(s["exp_avg"].numel() for s in sliced_adamw.state.values()),
         "grads_left": sum(p.grad is not None for p in sliced),
     }
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd saves for backward that are alive at once, and the
+    most of them over a step: the activations a rank holds. Storages are counted once
+    each, from their packing until Python frees them; parameters' storages (which
+    autograd saves too, for the weight gradients' inputs) are not activations."""
+
+    def __init__(self, modules):
+        self.parameters = {local(p).untyped_storage()._cdata for m in modules for p in m.parameters()}
+        self.alive: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self.parameters and key not in self.alive:
+            self.alive[key] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self.release, key)
+        return tensor
+
+    def release(self, key: int) -> None:
+        self.now -= self.alive.pop(key, 0)
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
+
+
+def pipeline_activation_peaks(cases: list[tuple[str, int]]) -> list[int]:
+    """Per (layout, global batch size): this rank's peak bytes of saved activations over
+    one training step (the second: the first also infers the stages' shapes)."""
+    results = []
+    for text, global_batch in cases:
+        cfg = dataclasses.replace(load_model(MODEL), global_batch_size=global_batch)
+        layout = resolve(text, cfg, dist.get_world_size())
+        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
+                                TrialSpec(model=dataclasses.asdict(cfg), layout=text))
+        trainer.step(step_batches(cfg, layout, mesh, 0))
+        with SavedActivations(model_parts(trainer)) as saved:
+            trainer.step(step_batches(cfg, layout, mesh, 1))
+        results.append(saved.peak)
+    return results
