@@ -69,7 +69,7 @@ class Estimate:
     layout: Layout
     peak_mem_bytes: float  # worst rank
     memory: dict[str, float]  # the worst rank at its peak, by term; sums to peak_mem_bytes:
-    # params, grads, optimizer, optimizer_temp, activations, fsdp_buffers, logits, overhead
+    # params, grads, optimizer, optimizer_temp, activations, fsdp_buffers, pipeline_buffers, logits, overhead
     step_time_s: float
     tokens_per_s: float
     mfu: float

@@ -30,6 +30,7 @@ from typing import NamedTuple
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
 from autotune.layout import V_SCHEDULES, Layout
+from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
 
 DEVICES = ("cpu", "cuda")
 # Bytes the CUDA allocator hands out besides the model's tensors: cuBLAS workspaces and
@@ -167,7 +168,7 @@ class ModelFigures:
     flops_per_token: float
     saved: dict  # (moe layer?, compute bytes) -> SavedTotals of a block
     final_norm: dict  # compute bytes -> SavedTotals of the final norm
-    shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, ep, rank) -> RankShape
+    shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape
 
 
 _FIGURES: dict[int, tuple[ModelConfig, ModelFigures]] = {}
@@ -202,19 +203,11 @@ def stage_chunks(layout: Layout) -> int:
     return layout.vpp if layout.pp > 1 else 1
 
 
-def rank_stage_ids(layout: Layout, rank: int) -> tuple[int, ...]:
-    """Looped schedules put stages rank, rank+pp, ... on a rank; V schedules rank and
-    2*pp-1-rank, so that rank 0 holds both the first and the last stage."""
-    if layout.pp > 1 and layout.schedule in V_SCHEDULES:
-        return (rank, 2 * layout.pp - 1 - rank)
-    return tuple(rank + k * layout.pp for k in range(stage_chunks(layout)))
-
-
 def pipeline_ranks(layout: Layout) -> tuple[int, ...]:
-    """The pipeline ranks that can be the worst: the first and the last. The others hold
-    no embedding or head, and the micro-batches in flight fall (or rise) monotonically
-    from one end to the other in every schedule."""
-    return (0,) if layout.pp == 1 else (0, layout.pp - 1)
+    """The pipeline ranks that can be the worst: every one. The split gives middle stages
+    more layers than the ends (stage_split.py), so a middle rank can hold the most even
+    though the first holds the most micro-batches in flight."""
+    return tuple(range(layout.pp))
 
 
 class RankShape(NamedTuple):
@@ -237,11 +230,17 @@ class RankShape(NamedTuple):
     root_params: float  # embedding, final norm, head: FSDP's root module
     largest_block: float
     largest_tensor: float
+    receiving: int = 0  # stages that take activations from another stage (all but the first)
+    sending: int = 0  # stages that hand activations on (all but the last)
+    sending_across: int = 0  # ... to a stage on another rank
+    receiving_across: int = 0  # stages fed by a stage on another rank
+    postponed_elements: float = 0.0  # per token: output gradients a split backward keeps for a
+    # weight step, of the rank's heaviest stage but the first (see weight_output_grads)
 
 
 def rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     fig = model_figures(model)
-    key = (layout.pp, stage_chunks(layout), layout.schedule in V_SCHEDULES, layout.tp, layout.ep, rank)
+    key = (layout.pp, stage_chunks(layout), layout.schedule in V_SCHEDULES, layout.tp, layout.sp, layout.ep, rank)
     shape = fig.shapes.get(key)
     if shape is None:
         shape = fig.shapes[key] = _rank_shape(model, layout, rank)
@@ -251,10 +250,11 @@ def rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
 def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     fig, tp, h = model_figures(model), layout.tp, model.hidden_size
     stages = rank_stage_ids(layout, rank)
-    per_stage = model.num_layers // (layout.pp * stage_chunks(layout))
-    moe_layers = sum(fig.moe_before[(s + 1) * per_stage] - fig.moe_before[s * per_stage] for s in stages)
-    layers = per_stage * len(stages)
-    first, last = 0 in stages, layout.pp * stage_chunks(layout) - 1 in stages
+    last_stage = stage_count(layout) - 1
+    spans = stage_layers(model, last_stage + 1)
+    moe_layers = sum(fig.moe_before[spans[s].stop] - fig.moe_before[spans[s].start] for s in stages)
+    layers = sum(len(spans[s]) for s in stages)
+    first, last = 0 in stages, last_stage in stages
 
     dense_block = fig.attention / tp + 2 * h + fig.dense_mlp / tp
     moe_block = fig.attention / tp + 2 * h + fig.moe_dense / tp
@@ -268,7 +268,34 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
         dense_params=dense_layers * dense_block + moe_layers * moe_block + root,
         expert_params=moe_layers * moe_experts, root_params=root,
         largest_block=max(dense_block if dense_layers else 0.0, moe_block + moe_experts if moe_layers else 0.0),
-        largest_tensor=max(embedding if root else 0.0, h * ffn / tp))
+        largest_tensor=max(embedding if root else 0.0, h * ffn / tp),
+        receiving=sum(s > 0 for s in stages), sending=sum(s < last_stage for s in stages),
+        sending_across=sum(s < last_stage and s + 1 not in stages for s in stages),
+        receiving_across=sum(s > 0 and s - 1 not in stages for s in stages),
+        postponed_elements=max((weight_output_grads(model, layout, spans[s], s == last_stage)
+                                for s in stages if s > 0), default=0.0))
+
+
+def weight_output_grads(model: ModelConfig, layout: Layout, layers: range, last: bool) -> float:
+    """Elements per token of the gradients at the outputs of a stage's weighted ops (the
+    dY each weight gradient needs), which torch's split backward (stage_backward_input)
+    captures for the later weight step: q, k, v and the MLP's first half split by tp;
+    the row-parallel outputs whole; the norms' scaling split by tp under SP; the last
+    stage's final norm too. (Its head's output gradient takes the place of the logits,
+    which the input step frees: counted with the micro-batches waiting on the last
+    stage.) MoE: the router and the experts' SwiGLU for top_k experts."""
+    tp, h = layout.tp, model.hidden_size
+    stream = h / tp if layout.sp else h
+    attention = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tp + h + 2 * stream
+    total = 0.0
+    for layer in layers:
+        if model.is_moe_layer(layer):
+            moe = model.moe
+            experts = moe.top_k + moe.num_shared_experts
+            total += attention + moe.num_experts + experts * (2 * moe.expert_ffn_hidden_size / tp + h)
+        else:
+            total += attention + 2 * model.ffn_hidden_size / tp + h
+    return total + (stream if last else 0.0)
 
 
 # -- pipeline schedules ---------------------------------------------------------------------------
@@ -300,6 +327,34 @@ def chunks_in_flight(layout: Layout, microbatches: int, rank: int) -> int:
     if schedule == "zbv":
         return min(2 * pp, m + 1 + rank, 2 * m)
     return min(2 * pp + 1, 2 * m)  # dualpipev
+
+
+# Schedules that torch runs on its lowered-schedule runtime (_PipelineScheduleRuntime),
+# which waits for its sends only when the step ends, and those that split the backward
+# into an input step and a later weight step.
+RUNTIME_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
+
+
+def peak_points(layout: Layout, microbatches: int, rank: int) -> list[tuple[int, int]]:
+    """(chunks in flight, postponed weight steps) at the moments where a pipeline rank can
+    peak: the Pareto front of the two counts over the rank's action list in torch's
+    schedules. A postponed weight step is a (stage, micro-batch), not of the first stage,
+    whose input step ran and weight step has not (split backwards only):
+      zero_bubble  (in flight, min(rank + 1, m*v))      each rank defers its weights by its rank
+      zbv          (in flight, 1), and (pp + rank, 2*rank + 1) for rank >= 1 when m >= 2*pp - 1
+      dualpipev    (2*pp + 1, 0), (2*pp, 1) and (pp, rank + 1) for rank >= 1
+      others       (in flight, 0)
+    (zbv with pp < m < 2*pp - 1 also passes (2, 2) or (3, 3), never the heavier moment.)"""
+    pp, m = layout.pp, microbatches
+    chunks = chunks_in_flight(layout, m, rank)
+    if pp == 1 or layout.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return [(chunks, 0)]
+    if layout.schedule == "zero_bubble":
+        return [(chunks, min(rank + 1, m * stage_chunks(layout)))]
+    if layout.schedule == "zbv":
+        return [(chunks, 1)] + ([(pp + rank, 2 * rank + 1)] if m >= 2 * pp - 1 and rank else [])
+    return [(2 * pp + 1, 0), (2 * pp, 1)] + ([(pp, rank + 1)] if rank else [])  # dualpipev
 
 
 def reshards_after_forward(layout: Layout) -> bool:
@@ -339,11 +394,6 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
     else:
         working = 0.0
 
-    chunks = chunks_in_flight(layout, m, shape.rank)
-    # Between micro-batches FSDP2 keeps unsharded fp32 gradients (the trainer syncs on the
-    # last micro-batch only); a backward reaches its peak with them only if an earlier
-    # backward ran in this step.
-    grads_at_backward = prec.grad * total if m * stage_chunks(layout) > chunks else 0.0
 
     # Token ids on the device: inputs and labels of every micro-batch of the step.
     rows = layout.mbs * m
@@ -356,26 +406,68 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
         temp = 4 * (sharded if layout.zero >= 1 else total)
     else:
         temp = 2 * 4 * shape.largest_tensor / dense_shard
+    # torch's PipelineStage allocates, once for the run, a receive buffer per micro-batch
+    # for the activations of each stage but the first and for the gradients of each
+    # stage but the last ([micro-batch, seq/cp, hidden] in the compute dtype, split by
+    # tp under SP). A stage fed by a stage on the same rank (V schedules) keeps that
+    # stage's outputs in its buffers instead: the same bytes.
+    pipeline = m * (shape.receiving + shape.sending) * boundary_bytes(model, layout, prec)
     # By the last layer's backward the head has its gradients, if none were there yet.
     head_grads = prec.grad * (model.hidden_size + model.embedding_params() / layout.tp) if shape.last else 0.0
     phases = {}
-    for phase, (activations, logits) in _backward_peaks(model, layout, prec, shape, chunks,
-                                                         accumulating=grads_at_backward > 0).items():
-        grads = grads_at_backward or (head_grads if phase == "layer_backward" else 0.0)
-        phases[phase] = {"params": param_bytes, "grads": grads, "optimizer": optim_bytes,
-                         "optimizer_temp": 0.0, "activations": activations, "fsdp_buffers": working,
-                         "logits": logits, "overhead": overhead}
+    for chunks, postponed in peak_points(layout, m, shape.rank):
+        # Between micro-batches FSDP2 keeps unsharded fp32 gradients (the trainer syncs on
+        # the last micro-batch only); a backward reaches its peak with them only if an
+        # earlier backward ran in this step.
+        grads_at_backward = prec.grad * total if m * stage_chunks(layout) > chunks else 0.0
+        for phase, (activations, logits) in _backward_peaks(model, layout, prec, shape, chunks, postponed,
+                                                             accumulating=grads_at_backward > 0).items():
+            grads = grads_at_backward or (head_grads if phase == "layer_backward" else 0.0)
+            terms = {"params": param_bytes, "grads": grads, "optimizer": optim_bytes,
+                     "optimizer_temp": 0.0, "activations": activations, "fsdp_buffers": working,
+                     "pipeline_buffers": pipeline, "logits": logits, "overhead": overhead}
+            if phase not in phases or sum(terms.values()) > sum(phases[phase].values()):
+                phases[phase] = terms
     phases["optimizer_step"] = {"params": param_bytes, "grads": grads_after_step, "optimizer": optim_bytes,
                                 "optimizer_temp": temp, "activations": 0.0,
-                                "fsdp_buffers": working if layout.zero <= 1 else 0.0, "logits": 0.0,
-                                "overhead": overhead}
+                                "fsdp_buffers": working if layout.zero <= 1 else 0.0, "pipeline_buffers": pipeline,
+                                "logits": 0.0, "overhead": overhead}
     return phases
 
 
+def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape, chunks: int,
+                     postponed: int) -> float:
+    """Bytes a pipeline rank holds at its backward peaks besides its layers' activations.
+
+    Outputs: a stage keeps its output (which nothing on the stage saves) until the
+    micro-batch's backward. torch's runtime schedules also keep every tensor they send,
+    activations forward and gradients backward, until the step ends; by the rank's last
+    peak it has sent all of a step's micro-batches but the backwards of those still in
+    flight: m * (stages sending across + stages fed across) - chunks * (fed across) / v.
+    Inputs: in fp32 a stage's receive buffer is the tensor its first layer's norm saves,
+    already counted (pipeline_buffers). Split backwards keep, per postponed weight step,
+    the output gradients of the stage's weighted ops (weight_output_grads)."""
+    m, v = layout.grad_accum(model), stage_chunks(layout)
+    boundary = boundary_bytes(model, layout, prec)
+    if layout.schedule in RUNTIME_SCHEDULES:
+        sent = m * (shape.sending_across + shape.receiving_across) - chunks * shape.receiving_across / v
+    else:
+        sent = chunks * shape.sending_across / v
+    extras = boundary * (sent - (chunks * shape.receiving / v if prec.compute == 4 else 0))
+    tokens = layout.mbs * model.seq_len / layout.cp
+    return extras + postponed * tokens * shape.postponed_elements * prec.compute
+
+
+def boundary_bytes(model: ModelConfig, layout: Layout, prec: Precision) -> float:
+    """One micro-batch's activations (or their gradient) at a stage boundary, per rank."""
+    tokens = layout.mbs * model.seq_len / layout.cp
+    return tokens * model.hidden_size * prec.compute / (layout.tp if layout.sp else 1)
+
+
 def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape,
-                    chunks: int, accumulating: bool) -> dict[str, tuple[float, float]]:
+                    chunks: int, postponed: int, accumulating: bool) -> dict[str, tuple[float, float]]:
     """(activations, loss buffers) of a pipeline rank at the peaks of a backward pass,
-    with `chunks` (stage, micro-batch) forwards in flight:
+    with `chunks` (stage, micro-batch) forwards in flight and `postponed` weight steps:
 
     loss_backward (the rank with the head): every activation saved, and cross_entropy's
       buffers. It runs on fp32 logits (split by tp under loss_parallel): log_softmax
@@ -387,8 +479,15 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
       frees. With gradients `accumulating` from earlier micro-batches the fresh weight
       gradient is a temporary that AccumulateGrad adds and frees at once; without, it
       becomes .grad and stays. Recompute rebuilds that layer first.
-    Under PP, micro-batches whose backward has not started keep their log_softmax output
-    and the stage's logits on the last stage.
+    Under PP: micro-batches whose backward has not started keep, on the last stage, the
+    final norm's saved tensors, their log_softmax output and the logits (the schedule
+    keeps each stage's output until its backward, so the current micro-batch's logits
+    stay too, through the whole backward of the stage). A stage but the last keeps its
+    output (the last layer's, which nothing on this stage saves) for each micro-batch in
+    flight; a stage but the first takes its input in a receive buffer (pipeline_buffers),
+    which in fp32 is the very tensor its first layer's norm saves, so it is not counted
+    twice. Chunks in flight spread evenly over the rank's stages, but for the last stage
+    of a V schedule, which holds one.
     """
     fig = model_figures(model)
     tokens = layout.mbs * model.seq_len / layout.cp  # local tokens of one micro-batch
@@ -405,9 +504,10 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     kept = per_token(layout.recompute)
     # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch.
     rope = 0.0 if layout.recompute == "full" else shape.layers * model.seq_len / layout.cp * model.head_dim * 4
-    stored = chunks * (tokens * kept + rope) / stage_chunks(layout)
-    if layout.pp > 1:  # the schedule keeps each in-flight stage's input and output
-        stored += chunks * tokens * 2 * h * c / (tp if sp else 1)
+    v = stage_chunks(layout)
+    stored = chunks * (tokens * kept + rope) / v
+    if layout.pp > 1:
+        stored += _pipeline_extras(model, layout, prec, shape, chunks, postponed)
 
     recomputed = tokens * (per_token("none") - kept) / shape.layers
     if shape.moe_layers == shape.layers:
@@ -419,10 +519,19 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
     else:
         swiglu = incoming + weight_grad + 2 * ffn_grad
-    waiting = max(1, chunks // stage_chunks(layout)) - 1 if shape.last else 0
-    saved_logits = tokens * model.vocab_size / tp * waiting * (4 + c)
-    peaks = {"layer_backward": (stored + recomputed + swiglu, saved_logits)}
+    peaks = {"layer_backward": (stored + recomputed + swiglu, 0.0)}
     if shape.last:
+        vocab = tokens * model.vocab_size / tp  # elements of one micro-batch's logits
         final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input)
-        peaks["loss_backward"] = (stored + final_norm, saved_logits + tokens * model.vocab_size / tp * 12)
+        if layout.pp == 1:
+            peaks["loss_backward"] = (stored + final_norm, 12 * vocab)
+        else:
+            # V schedules run the last stage's backward right after its forward. Under a
+            # split backward the others have had their input step, which frees the logits
+            # and the log_softmax output and keeps the head's output gradient instead.
+            waiting = 0 if layout.schedule in V_SCHEDULES else max(1, chunks // v) - 1
+            split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
+            saved = waiting * (final_norm + vocab * (c if split else 4 + c))
+            peaks["layer_backward"] = (stored + recomputed + swiglu + saved, vocab * c)
+            peaks["loss_backward"] = (stored + final_norm + saved, vocab * (4 + c + 8))
     return peaks

@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import warnings
 import weakref
 from pathlib import Path
 
@@ -60,8 +61,20 @@ LAYOUTS = [(1, model, f"mbs={mbs}") for model in ("tiny", "tiny-vocab", "tiny-wi
 
 def holds_data(t) -> bool:
     """A plain CPU tensor. Wrapper subclasses (DTensor) report a storage of their full
-    logical size, but their bytes live in the local tensor they wrap, counted on its own."""
+    logical size, but their bytes live in the local tensors they wrap (plain_tensors)."""
     return isinstance(t, torch.Tensor) and t.device.type == "cpu" and not is_traceable_wrapper_subclass(t)
+
+
+def plain_tensors(t) -> list:
+    """The plain tensors holding `t`'s data: itself, or a wrapper subclass's inner tensors.
+    A dispatch mode sees a DTensor op, not the local ops it runs, so the local result is
+    found through the DTensor it comes back in."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in plain_tensors(getattr(t, name))]
+    return [t] if holds_data(t) else []
 
 
 class LiveBytes(TorchDispatchMode):
@@ -88,9 +101,11 @@ class LiveBytes(TorchDispatchMode):
         self.refs.pop(key, None)
 
     def track_alive(self) -> None:
-        for obj in gc.get_objects():
-            if holds_data(obj):
-                self.track(obj.untyped_storage())
+        with warnings.catch_warnings():  # isinstance on deprecated torch objects warns
+            warnings.simplefilter("ignore", FutureWarning)
+            alive = [obj for obj in gc.get_objects() if holds_data(obj)]
+        for obj in alive:
+            self.track(obj.untyped_storage())
 
     def __enter__(self):
         self.original_resize = torch.UntypedStorage.resize_
@@ -110,8 +125,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if holds_data(t):
-                self.track(t.untyped_storage())
+            for plain in plain_tensors(t):
+                self.track(plain.untyped_storage())
         return out
 
 
