@@ -142,3 +142,11 @@ def test_layout_short_form():
 def test_model_from_dict_rejects_bad_types():
     with pytest.raises(UsageError, match="^name: missing required field"):
         model_from_dict({"vocab_size": 1})
+
+
+def test_zero3_folds_into_zero2_under_pp():
+    """Under PP FSDP keeps parameters gathered through the step at zero 2 and 3 alike,
+    so a search enumerates the pair once."""
+    assert resolve("pp=2,zero=3", TINY, 4).canonical().zero == 2
+    assert resolve("zero=3", TINY, 4).canonical().zero == 3
+    assert len(enumerate_layouts(TINY, 4, {"pp": [2], "zero": [2, 3]})) == 1
