@@ -166,9 +166,13 @@ class ModelFigures:
     moe_active: float  # MoE parameters one token passes through (router, top-k, shared)
     moe_before: tuple[int, ...]  # moe_before[i]: MoE layers among layers 0..i-1
     flops_per_token: float
-    saved: dict  # (moe layer?, compute bytes) -> SavedTotals of a block
+    saved: dict  # (moe layer?, compute bytes) -> SavedTotals of a block; also a memo of
+    # saved_bytes_per_token: (moe layer?, compute bytes, tp, sp, recompute) -> bytes
     final_norm: dict  # compute bytes -> SavedTotals of the final norm
-    shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape
+    shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape,
+    # and of pipeline_shapes
+    peaks: dict  # memo of _backward_peaks and of the slowest rank's micro-batch (estimate_time),
+    # which layouts differing only in data parallel share
 
 
 _FIGURES: dict[int, tuple[ModelConfig, ModelFigures]] = {}
@@ -191,7 +195,7 @@ def model_figures(model: ModelConfig) -> ModelFigures:
         moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
         saved={(is_moe, c): SavedTotals.of(block_saved_tensors(model, is_moe, c))
                for is_moe in ((False, True) if moe else (False,)) for c in (2, 4)},
-        final_norm={c: SavedTotals.of(norm_saved_tensors(model, c, "final")) for c in (2, 4)}, shapes={})
+        final_norm={c: SavedTotals.of(norm_saved_tensors(model, c, "final")) for c in (2, 4)}, shapes={}, peaks={})
     if len(_FIGURES) > 64:
         _FIGURES.clear()
     _FIGURES[id(model)] = (model, figures)
@@ -203,11 +207,34 @@ def stage_chunks(layout: Layout) -> int:
     return layout.vpp if layout.pp > 1 else 1
 
 
-def pipeline_ranks(layout: Layout) -> tuple[int, ...]:
-    """The pipeline ranks that can be the worst: every one. The split gives middle stages
-    more layers than the ends (stage_split.py), so a middle rank can hold the most even
-    though the first holds the most micro-batches in flight."""
-    return tuple(range(layout.pp))
+def pipeline_shapes(model: ModelConfig, layout: Layout) -> tuple["RankShape", ...]:
+    """What the pipeline ranks that can be the worst hold: the first, the last, and of
+    the ranks between, for each layer count they hold, the one nearest the end where
+    the schedule's counts are highest.
+
+    Between the ends the split (stage_split.py) leaves a rank one of two layer counts.
+    The micro-batches in flight fall from the first rank to the last under 1f1b and
+    interleaved_1f1b (and stay under gpipe); under the split backwards the postponed
+    weight steps rise with the rank while the micro-batches in flight stay or rise
+    (peak_points). So among ranks with equal layers the first is the worst, or the
+    last (up to the few sends a runtime schedule holds more on a rank with fewer
+    micro-batches in flight). A middle rank can beat the first: it may hold a layer
+    more while holding one micro-batch fewer."""
+    fig = model_figures(model)
+    key = ("ranks", layout.pp, stage_chunks(layout), layout.schedule, layout.tp, layout.sp, layout.ep)
+    shapes = fig.shapes.get(key)
+    if shapes is None:
+        spans = stage_layers(model, stage_count(layout))
+        layers = [sum(len(spans[s]) for s in rank_stage_ids(layout, r)) for r in range(layout.pp)]
+        middle = range(1, layout.pp - 1)
+        if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+            middle = reversed(middle)
+        chosen = {}
+        for r in middle:
+            chosen.setdefault(layers[r], r)
+        ranks = sorted({0, layout.pp - 1, *chosen.values()})
+        shapes = fig.shapes[key] = tuple(rank_shape(model, layout, r) for r in ranks)
+    return shapes
 
 
 class RankShape(NamedTuple):
@@ -365,10 +392,20 @@ def reshards_after_forward(layout: Layout) -> bool:
 
 # -- the candidate peaks --------------------------------------------------------------------------
 
+TERMS = ("params", "grads", "optimizer", "optimizer_temp", "activations", "fsdp_buffers", "pipeline_buffers",
+         "logits", "overhead")
+
+
 def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShape) -> dict[str, dict[str, float]]:
     """Bytes a pipeline rank holds at each candidate peak, by term: {phase: {term:
     bytes}} for the phases loss_backward (the rank with the head), layer_backward and
     optimizer_step; the largest is the rank's peak."""
+    return {phase: dict(zip(TERMS, terms)) for phase, terms in rank_terms(model, layout, device, shape).items()}
+
+
+def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape) -> dict[str, tuple[float, ...]]:
+    """rank_memory with each phase's bytes as a tuple in the order of TERMS (the
+    estimator prices many ranks and keeps one)."""
     prec = precision(model, device)
     m = layout.grad_accum(model)
     total = shape.dense_params + shape.expert_params
@@ -414,30 +451,26 @@ def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShap
     pipeline = m * (shape.receiving + shape.sending) * boundary_bytes(model, layout, prec)
     # By the last layer's backward the head has its gradients, if none were there yet.
     head_grads = prec.grad * (model.hidden_size + model.embedding_params() / layout.tp) if shape.last else 0.0
-    phases = {}
-    for chunks, postponed in peak_points(layout, m, shape.rank):
-        # Between micro-batches FSDP2 keeps unsharded fp32 gradients (the trainer syncs on
-        # the last micro-batch only); a backward reaches its peak with them only if an
-        # earlier backward ran in this step.
-        grads_at_backward = prec.grad * total if m * stage_chunks(layout) > chunks else 0.0
-        for phase, (activations, logits) in _backward_peaks(model, layout, prec, shape, chunks, postponed,
-                                                             accumulating=grads_at_backward > 0).items():
-            grads = grads_at_backward or (head_grads if phase == "layer_backward" else 0.0)
-            terms = {"params": param_bytes, "grads": grads, "optimizer": optim_bytes,
-                     "optimizer_temp": 0.0, "activations": activations, "fsdp_buffers": working,
-                     "pipeline_buffers": pipeline, "logits": logits, "overhead": overhead}
-            if phase not in phases or sum(terms.values()) > sum(phases[phase].values()):
-                phases[phase] = terms
-    phases["optimizer_step"] = {"params": param_bytes, "grads": grads_after_step, "optimizer": optim_bytes,
-                                "optimizer_temp": temp, "activations": 0.0,
-                                "fsdp_buffers": working if layout.zero <= 1 else 0.0, "pipeline_buffers": pipeline,
-                                "logits": 0.0, "overhead": overhead}
+    # Between micro-batches FSDP2 keeps unsharded fp32 gradients (the trainer syncs on the
+    # last micro-batch only); a backward reaches its peak with them only if an earlier
+    # backward ran in this step.
+    fig = model_figures(model)
+    key = (id(shape), device, m, layout.mbs, layout.cp, layout.tp, layout.sp, layout.recompute, layout.schedule,
+           layout.vpp, layout.pp)  # shapes are memoised in fig.shapes: one object per shape
+    varying = fig.peaks.get(key)
+    if varying is None:
+        varying = fig.peaks[key] = _backward_peaks(model, layout, prec, shape, peak_points(layout, m, shape.rank),
+                                                   full_grads=prec.grad * total, head_grads=head_grads)
+    phases = {phase: (param_bytes, grads, optim_bytes, 0.0, activations, working, pipeline, logits, overhead)
+              for phase, (grads, activations, logits) in varying.items()}
+    phases["optimizer_step"] = (param_bytes, grads_after_step, optim_bytes, temp, 0.0,
+                                working if layout.zero <= 1 else 0.0, pipeline, 0.0, overhead)
     return phases
 
 
-def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape, chunks: int,
-                     postponed: int) -> float:
-    """Bytes a pipeline rank holds at its backward peaks besides its layers' activations.
+def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape):
+    """Bytes a pipeline rank holds at its backward peaks besides its layers' activations,
+    as a function of (chunks in flight, postponed weight steps).
 
     Outputs: a stage keeps its output (which nothing on the stage saves) until the
     micro-batch's backward. torch's runtime schedules also keep every tensor they send,
@@ -450,12 +483,13 @@ def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape:
     m, v = layout.grad_accum(model), stage_chunks(layout)
     boundary = boundary_bytes(model, layout, prec)
     if layout.schedule in RUNTIME_SCHEDULES:
-        sent = m * (shape.sending_across + shape.receiving_across) - chunks * shape.receiving_across / v
+        held, per_chunk = m * (shape.sending_across + shape.receiving_across), -shape.receiving_across / v
     else:
-        sent = chunks * shape.sending_across / v
-    extras = boundary * (sent - (chunks * shape.receiving / v if prec.compute == 4 else 0))
-    tokens = layout.mbs * model.seq_len / layout.cp
-    return extras + postponed * tokens * shape.postponed_elements * prec.compute
+        held, per_chunk = 0.0, shape.sending_across / v
+    if prec.compute == 4:
+        per_chunk -= shape.receiving / v
+    postponed_bytes = layout.mbs * model.seq_len / layout.cp * shape.postponed_elements * prec.compute
+    return lambda chunks, postponed: boundary * (held + chunks * per_chunk) + postponed * postponed_bytes
 
 
 def boundary_bytes(model: ModelConfig, layout: Layout, prec: Precision) -> float:
@@ -465,9 +499,10 @@ def boundary_bytes(model: ModelConfig, layout: Layout, prec: Precision) -> float
 
 
 def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape,
-                    chunks: int, postponed: int, accumulating: bool) -> dict[str, tuple[float, float]]:
-    """(activations, loss buffers) of a pipeline rank at the peaks of a backward pass,
-    with `chunks` (stage, micro-batch) forwards in flight and `postponed` weight steps:
+                    points: list[tuple[int, int]], full_grads: float, head_grads: float
+                    ) -> dict[str, tuple[float, float, float]]:
+    """(gradients, activations, loss buffers) of a pipeline rank at the peaks of a backward
+    pass, the heaviest over its peak points (chunks in flight, postponed weight steps):
 
     loss_backward (the rank with the head): every activation saved, and cross_entropy's
       buffers. It runs on fp32 logits (split by tp under loss_parallel): log_softmax
@@ -476,9 +511,10 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     layer_backward: the head's buffers freed, the last layer's SwiGLU backward holds the
       incoming gradient, then the down projection's weight gradient and the product's
       gradient (tokens x ffn), then two tokens x ffn gradients more than the tensors it
-      frees. With gradients `accumulating` from earlier micro-batches the fresh weight
-      gradient is a temporary that AccumulateGrad adds and frees at once; without, it
-      becomes .grad and stays. Recompute rebuilds that layer first.
+      frees. With gradients accumulating from earlier micro-batches (`full_grads` held)
+      the fresh weight gradient is a temporary that AccumulateGrad adds and frees at
+      once; without, it becomes .grad and stays (and the head's, `head_grads`, are
+      there). Recompute rebuilds that layer first.
     Under PP: micro-batches whose backward has not started keep, on the last stage, the
     final norm's saved tensors, their log_softmax output and the logits (the schedule
     keeps each stage's output until its backward, so the current micro-batch's logits
@@ -494,37 +530,51 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     sp, tp, c, h = bool(layout.sp), layout.tp, prec.compute, model.hidden_size
     block_input = h * c  # saved by full recompute's checkpoint
 
+    def layer(moe: bool, recompute: str) -> float:
+        key = (moe, c, tp, sp, recompute)
+        if key not in fig.saved:
+            fig.saved[key] = saved_bytes_per_token(fig.saved[moe, c], tp, sp, recompute, block_input)
+        return fig.saved[key]
+
     def per_token(recompute: str) -> float:  # all of the rank's layers, one micro-batch
         dense = shape.layers - shape.moe_layers
-        total = dense * saved_bytes_per_token(fig.saved[False, c], tp, sp, recompute, block_input) if dense else 0.0
+        total = dense * layer(False, recompute) if dense else 0.0
         if shape.moe_layers:
-            total += shape.moe_layers * saved_bytes_per_token(fig.saved[True, c], tp, sp, recompute, block_input)
+            total += shape.moe_layers * layer(True, recompute)
         return total
 
     kept = per_token(layout.recompute)
     # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch.
     rope = 0.0 if layout.recompute == "full" else shape.layers * model.seq_len / layout.cp * model.head_dim * 4
-    v = stage_chunks(layout)
-    stored = chunks * (tokens * kept + rope) / v
-    if layout.pp > 1:
-        stored += _pipeline_extras(model, layout, prec, shape, chunks, postponed)
-
+    per_chunk = (tokens * kept + rope) / stage_chunks(layout)
     recomputed = tokens * (per_token("none") - kept) / shape.layers
     if shape.moe_layers == shape.layers:
         ffn, weight = model.moe.top_k * model.moe.expert_ffn_hidden_size, model.moe.expert_ffn_hidden_size
     else:
         ffn = weight = model.ffn_hidden_size
     incoming, ffn_grad, weight_grad = tokens * h / (tp if sp else 1) * c, tokens * ffn / tp * c, h * weight / tp * prec.grad
-    if accumulating:
-        swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
-    else:
-        swiglu = incoming + weight_grad + 2 * ffn_grad
-    peaks = {"layer_backward": (stored + recomputed + swiglu, 0.0)}
-    if shape.last:
-        vocab = tokens * model.vocab_size / tp  # elements of one micro-batch's logits
-        final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input)
-        if layout.pp == 1:
-            peaks["loss_backward"] = (stored + final_norm, 12 * vocab)
+    vocab = tokens * model.vocab_size / tp  # elements of one micro-batch's logits
+    final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input) if shape.last else 0.0
+    m, v = layout.grad_accum(model), stage_chunks(layout)
+
+    peaks: dict[str, tuple[float, float, float]] = {}
+
+    def keep(phase: str, grads: float, activations: float, logits: float) -> None:
+        if phase not in peaks or grads + activations + logits > sum(peaks[phase]):
+            peaks[phase] = (grads, activations, logits)
+
+    extras = _pipeline_extras(model, layout, prec, shape) if layout.pp > 1 else lambda chunks, postponed: 0.0
+    for chunks, postponed in points:
+        accumulating = m * v > chunks
+        grads = full_grads if accumulating else 0.0
+        stored = chunks * per_chunk + extras(chunks, postponed)
+        swiglu = incoming + (max(weight_grad + ffn_grad, 2 * ffn_grad) if accumulating else weight_grad + 2 * ffn_grad)
+        layer_grads = grads or head_grads
+        if not shape.last:
+            keep("layer_backward", layer_grads, stored + recomputed + swiglu, 0.0)
+        elif layout.pp == 1:
+            keep("layer_backward", layer_grads, stored + recomputed + swiglu, 0.0)
+            keep("loss_backward", grads, stored + final_norm, 12 * vocab)
         else:
             # V schedules run the last stage's backward right after its forward. Under a
             # split backward the others have had their input step, which frees the logits
@@ -532,6 +582,6 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
             waiting = 0 if layout.schedule in V_SCHEDULES else max(1, chunks // v) - 1
             split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
             saved = waiting * (final_norm + vocab * (c if split else 4 + c))
-            peaks["layer_backward"] = (stored + recomputed + swiglu + saved, vocab * c)
-            peaks["loss_backward"] = (stored + final_norm + saved, vocab * (4 + c + 8))
+            keep("layer_backward", layer_grads, stored + recomputed + swiglu + saved, vocab * c)
+            keep("loss_backward", grads, stored + final_norm + saved, vocab * (4 + c + 8))
     return peaks

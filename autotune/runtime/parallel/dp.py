@@ -18,6 +18,9 @@ over dp_replicate. zero 2/3 use fully_shard on the 2-D (dp_replicate, dp_shard_c
 mesh (reduce-scatter inside a shard group, all-reduce across replicas); zero=1 slices
 the optimizer over dp_shard_cp.
 
+Under pipeline parallel zero 3 keeps its parameters gathered between micro-batches as
+zero 2 does (reshard_after_forward=False; see pp.py for what the schedules do).
+
 Units: every block is its own FSDP unit (one all-gather / reduce per block, overlapped
 with the neighbouring blocks' compute), the embedding another, and the root holds the
 final norm and the output head. At zero=3 the root keeps its parameters gathered from
