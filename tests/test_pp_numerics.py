@@ -23,13 +23,15 @@ def full(text: str, gpus: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_layouts(1, [full("mbs=4", 1)], with_params=True)[0]
+def references():
+    """One process, without and with gradient clipping."""
+    return run_layouts(1, [full("mbs=4", 1), (full("mbs=4", 1), {"max_grad_norm": MAX_GRAD_NORM})],
+                       with_params=True)
 
 
 @pytest.fixture(scope="module")
-def clipped_reference():
-    return run_layouts(1, [full("mbs=4", 1)], with_params=True, max_grad_norm=MAX_GRAD_NORM)[0]
+def reference(references):
+    return references[0]
 
 
 def check(reference: dict, results: list[dict]) -> None:
@@ -39,32 +41,37 @@ def check(reference: dict, results: list[dict]) -> None:
         assert_same_params(reference["params"], r["params"], r["layout"], atol=PARAM_ATOL)
 
 
-def test_every_schedule_at_pp2_and_recompute(reference):
-    """grad_accum 4 or 8 micro-batches; dualpipev needs 2*pp = 4."""
+CLIPPED = [full("pp=2,schedule=1f1b,mbs=4", 2), full("pp=2,schedule=zbv,vpp=2,mbs=4", 2)]
+
+
+def test_every_schedule_at_pp2_recompute_and_clipping(references):
+    """grad_accum 4 or 8 micro-batches; dualpipev needs 2*pp = 4. Clipping reduces the
+    norm across the two stages: losses and parameters match a clipped run of one process,
+    which differ from an unclipped one."""
+    reference, clipped_reference = references
     layouts = [full(text, 2) for text in (
         "pp=2,schedule=gpipe,mbs=2", "pp=2,schedule=1f1b,mbs=2", "pp=2,schedule=interleaved_1f1b,vpp=2,mbs=4",
         "pp=2,schedule=zero_bubble,vpp=2,mbs=2", "pp=2,schedule=zbv,vpp=2,mbs=4",
         "pp=2,schedule=dualpipev,vpp=2,mbs=4", "pp=2,schedule=1f1b,recompute=full,mbs=4",
         "pp=2,schedule=zbv,vpp=2,recompute=full,mbs=4")]
-    check(reference, run_layouts(2, layouts, with_params=True))
+    results = run_layouts(2, layouts + [(layout, {"max_grad_norm": MAX_GRAD_NORM}) for layout in CLIPPED],
+                          with_params=True)
+    check(reference, results[:len(layouts)])
+    assert clipped_reference["losses"][2] != pytest.approx(reference["losses"][2], rel=1e-4)
+    check(clipped_reference, results[len(layouts):])
 
 
-def test_gradient_clipping_under_pp2_equals_one_process(reference, clipped_reference):
+def test_clipped_gradients_under_pp2_are_one_process_scaled_by_the_global_norm():
     """The gradients the optimizer sees at step 0 are one process's times max_norm / the
     global norm: the norm is reduced across the two stages (each stage clipping by its
-    own norm would scale its gradients by a different factor). Then losses and trained
-    parameters match a clipped run of one process, which differ from an unclipped one."""
+    own norm would scale its gradients by a different factor)."""
     grads = reference_gradients()
     norm = math.sqrt(sum(g * g for grad in grads.values() for g in grad))
     assert norm > 2 * MAX_GRAD_NORM
     clipped = {name: [g * MAX_GRAD_NORM / norm for g in grad] for name, grad in grads.items()}
-    layouts = [full("pp=2,schedule=1f1b,mbs=4", 2), full("pp=2,schedule=zbv,vpp=2,mbs=4", 2)]
-    for layout, got in zip(layouts, run_on_ranks(2, first_step_gradients, layouts,
+    for layout, got in zip(CLIPPED, run_on_ranks(2, first_step_gradients, CLIPPED,
                                                  {"max_grad_norm": MAX_GRAD_NORM})[0]):
         assert_same_gradients(clipped, got, layout)
-
-    assert clipped_reference["losses"][2] != pytest.approx(reference["losses"][2], rel=1e-4)
-    check(clipped_reference, run_layouts(2, layouts, with_params=True, max_grad_norm=MAX_GRAD_NORM))
 
 
 def test_pp4_and_pp2_with_every_zero_and_tp(reference):
