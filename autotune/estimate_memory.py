@@ -552,7 +552,8 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         ffn, weight = model.moe.top_k * model.moe.expert_ffn_hidden_size, model.moe.expert_ffn_hidden_size
     else:
         ffn = weight = model.ffn_hidden_size
-    incoming, ffn_grad, weight_grad = tokens * h / (tp if sp else 1) * c, tokens * ffn / tp * c, h * weight / tp * prec.grad
+    incoming = tokens * h / (tp if sp else 1) * c
+    ffn_grad, weight_grad = tokens * ffn / tp * c, h * weight / tp * prec.grad
     vocab = tokens * model.vocab_size / tp  # elements of one micro-batch's logits
     final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input) if shape.last else 0.0
     m, v = layout.grad_accum(model), stage_chunks(layout)

@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/estimate_speed.py [--model M] [--gpus N] [--repeat R]
 
 Prints one JSON line: the layout count, the best of R timings of estimating them all
-(wall and CPU seconds; each starts with the estimator's memo of the model cleared), the time to enumerate them (layout.py's work, reported apart),
-and the machine's load average, since a busy machine slows both.
+(wall and CPU seconds; each starts with the estimator's memo of the model cleared),
+the time to enumerate them (layout.py's work, reported apart), and the machine's load
+average, since a busy machine slows both.
 """
 
 from __future__ import annotations
