@@ -74,13 +74,19 @@ def test_clipped_gradients_under_pp2_are_one_process_scaled_by_the_global_norm()
         assert_same_gradients(clipped, got, layout)
 
 
-def test_pp4_and_pp2_with_every_zero_and_tp(reference):
+def test_pp4_and_pp2_with_every_zero_and_tp_and_clipping_of_sharded_gradients(references):
+    """Also clipping where gradients are DTensors (FSDP, TP), pipelined or not."""
+    reference, clipped_reference = references
     layouts = [full(text, 4) for text in (
         "pp=4,schedule=1f1b,mbs=2", "pp=4,schedule=interleaved_1f1b,vpp=2,mbs=2",
         "pp=2,dp=2,zero=0,mbs=2", "pp=2,dp=2,zero=1,schedule=interleaved_1f1b,vpp=2,mbs=2",
         "pp=2,dp=2,zero=2,schedule=gpipe,mbs=2", "pp=2,dp=2,zero=3,schedule=zbv,vpp=2,mbs=2",
         "pp=2,dp=2,dp_shard=1,zero=3,schedule=zero_bubble,vpp=2,mbs=2", "pp=2,tp=2,sp=1,mbs=2")]
-    check(reference, run_layouts(4, layouts, with_params=True))
+    clipped = [full(text, 4) for text in ("pp=2,tp=2,sp=1,mbs=2", "dp=2,tp=2,zero=3,mbs=4")]
+    results = run_layouts(4, layouts + [(layout, {"max_grad_norm": MAX_GRAD_NORM}) for layout in clipped],
+                          with_params=True)
+    check(reference, results[:len(layouts)])
+    check(clipped_reference, results[len(layouts):])
 
 
 def test_pp2_x_dp2_x_tp2_zero3_sp_and_hsdp_on_8_processes(reference):

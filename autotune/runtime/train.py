@@ -17,7 +17,6 @@ therefore clips exactly as one process would.
 from __future__ import annotations
 
 import contextlib
-
 from collections import defaultdict
 
 import torch
@@ -37,22 +36,24 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
     """Clip the gradients of `parameters` (this rank's, of every stage it runs) to a global
     L2 norm of `max_norm`; returns that norm before clipping.
 
-    Gradients are grouped by the mesh their DTensor lives on (parameters of different
-    dimensions, e.g. experts, may live on different meshes): each group's norm is a
-    DTensor reduced over its shards by `full_tensor`. The squares are summed, then over
-    the pipeline stages, so every rank scales by the same factor."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    Parameters are grouped by the mesh their DTensor gradient lives on (under FSDP with
+    TP the norms' weights are sharded over data parallel only, the rest over both; a
+    DTensor op takes one mesh): each group's norm is a DTensor reduced over its shards
+    by `full_tensor`. The squares are summed, then over the pipeline stages, so every
+    rank scales by the same factor, group by group."""
     by_mesh = defaultdict(list)
-    for grad in grads:
-        by_mesh[grad.device_mesh if isinstance(grad, DTensor) else None].append(grad)
-    square = torch.zeros((), device=grads[0].device if grads else None)
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh[param.grad.device_mesh if isinstance(param.grad, DTensor) else None].append(param)
+    square = torch.zeros((), device=next(iter(parameters)).device)
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
         square = square + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
     if pipeline_group is not None:
         dist.all_reduce(square, group=pipeline_group)
     norm = square.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
 
 
