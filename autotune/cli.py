@@ -116,6 +116,8 @@ def build_parser() -> Parser:
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="GPUs per node: a trial of more spans gpus / G nodes (with --launcher torchrun or slurm)")
     add_launcher_options(p)
+    p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="N",
+                   help="clip gradients to this global L2 norm, across every shard and stage (default: off)")
     add_trial_options(p)
     p.set_defaults(func=cmd_trial)
 
@@ -251,7 +253,8 @@ def cmd_trial(args) -> int:
     spec = TrialSpec(model=dataclasses.asdict(model), layout=str(layout), steps=args.steps,
                      warmup=args.warmup, seed=args.seed, device=args.device,
                      memory_budget_gb=args.memory_budget_gb, hardware=args.hardware,
-                     peak_tflops=args.peak_tflops, trace_dir=os.path.abspath(args.trace) if args.trace else None)
+                     peak_tflops=args.peak_tflops, trace_dir=os.path.abspath(args.trace) if args.trace else None,
+                     max_grad_norm=args.max_grad_norm)
     stderr.print(f"[bold]trial[/] {model.name} on {args.gpus} {args.device} ranks: {layout.short()}")
     result = run_trial(spec, args.gpus, timeout_s=args.timeout, launcher=launcher)
     if args.json:

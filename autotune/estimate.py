@@ -14,13 +14,14 @@ fits them to measured trials (`calibrate`) and lists every layout of a space
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from dataclasses import dataclass, field
 
 from autotune.config import HardwareConfig, ModelConfig
 from autotune.errors import UsageError
-from autotune.estimate_memory import DEVICES, model_figures, pipeline_ranks, rank_memory, rank_shape
+from autotune.estimate_memory import DEVICES, TERMS, model_figures, pipeline_shapes, rank_terms
 from autotune.estimate_time import Links, step_time
 from autotune.layout import Layout, enumerate_layouts
 
@@ -69,7 +70,7 @@ class Estimate:
     layout: Layout
     peak_mem_bytes: float  # worst rank
     memory: dict[str, float]  # the worst rank at its peak, by term; sums to peak_mem_bytes:
-    # params, grads, optimizer, optimizer_temp, activations, fsdp_buffers, logits, overhead
+    # params, grads, optimizer, optimizer_temp, activations, fsdp_buffers, pipeline_buffers, logits, overhead
     step_time_s: float
     tokens_per_s: float
     mfu: float
@@ -114,13 +115,14 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
     estimated.
     """
     cal = calibration or default_calibration(device)
-    shapes = [rank_shape(model, layout, rank) for rank in pipeline_ranks(layout)]
-    peak, worst_rank, phase, memory = -1.0, 0, "", {}
+    shapes = pipeline_shapes(model, layout)
+    peak, worst_rank, phase, terms = -1.0, 0, "", ()
     for shape in shapes:
-        for rank_phase, terms in rank_memory(model, layout, device, shape).items():
-            total = sum(terms.values())
+        for rank_phase, bytes_by_term in rank_terms(model, layout, device, shape).items():
+            total = sum(bytes_by_term)
             if total > peak:
-                peak, worst_rank, phase, memory = total, shape.rank, rank_phase, terms
+                peak, worst_rank, phase, terms = total, shape.rank, rank_phase, bytes_by_term
+    memory = dict(zip(TERMS, terms))
     if cal.memory_scale != 1.0 or cal.memory_offset_bytes:
         memory = {term: cal.memory_scale * b for term, b in memory.items()}
         memory["overhead"] += cal.memory_offset_bytes
@@ -134,7 +136,7 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
                         tokens_per_s_per_gpu=nan, compute_s=nan, bubble_s=nan, total_comm_fraction=nan, **common)
     peak_flops = hardware.peak_tflops * 1e12
     links = Links(hardware, cal.bandwidth_efficiency, cal.latency_s)
-    time = step_time(model, layout, links, peak_flops * cal.compute_efficiency, device, shapes)
+    time = step_time(model, layout, links, peak_flops * cal.compute_efficiency, device, slowest_candidates(shapes))
     tokens_per_s = model.global_batch_size * model.seq_len / time.step_s
     # MFU as a trial measures it: model FLOPs per token (no recompute) over the peak.
     mfu = model_figures(model).flops_per_token * tokens_per_s / (layout.world_size * peak_flops)
@@ -144,6 +146,17 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
         tokens_per_s_per_gpu=tokens_per_s / layout.world_size, compute_s=time.compute_s, bubble_s=time.bubble_s,
         total_comm_fraction=sum(time.comm_s.values()) / time.step_s, comm_s=time.comm_s,
         exposed_comm_s=time.exposed_comm_s, **common)
+
+
+@functools.lru_cache(maxsize=1024)
+def slowest_candidates(shapes: tuple) -> list:
+    """The pipeline ranks that can be the slowest: those with an end of the model (the
+    embedding, the head), and the middle one with the most layers if it has more than
+    either end (equal layers and no end make a middle rank no slower)."""
+    ends = [s for s in shapes if s.first or s.last]
+    most = max((s.layers, s.moe_layers) for s in ends)
+    middle = [s for s in shapes if not (s.first or s.last) and (s.layers, s.moe_layers) > most]
+    return ends + sorted(middle, key=lambda s: (s.layers, s.moe_layers))[-1:]
 
 
 # -- calibration from measured trials ------------------------------------------------------------

@@ -255,7 +255,15 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     prec = precision(model, device)
     m, v = layout.grad_accum(model), stage_chunks(layout)
     groups = mesh_groups(layout)
-    work = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes, groups), key=lambda w: w.busy)
+    # The slowest rank's micro-batch does not depend on data parallel: layouts that differ
+    # only in dp, dp_shard or zero share it.
+    memo = model_figures(model).peaks
+    key = ("work", tuple(map(id, shapes)), links, flops_per_s, prec.compute, layout.mbs, layout.cp, layout.tp,
+           layout.sp, layout.recompute, layout.ep)  # shapes are memoised: one object per shape
+    work = memo.get(key)
+    if work is None:
+        work = memo[key] = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes, groups),
+                               key=lambda w: w.busy)
     compute = m * work.busy
     bubble = bubble_time(layout, work.forward / v, work.backward_input / v, work.backward_weight / v)
     comm = {dim: m * t for dim, t in work.total.items()}

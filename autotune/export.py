@@ -25,6 +25,7 @@ import yaml
 
 from autotune.config import ModelConfig, model_from_dict
 from autotune.layout import Layout, parse_layout
+from autotune.stage_split import stage_layers
 from autotune.trialspec import TrialSpec
 
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
@@ -71,8 +72,15 @@ class Target:
         return next(n for n in range(-(-self.gpus // self.gpus_per_node), self.gpus + 1) if self.gpus % n == 0)
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.model.num_layers // (self.layout.pp * self.layout.vpp)
+    def stage_layers(self) -> tuple[range, ...]:
+        """Our split: the layers of each of the pp*vpp stages (stage_split.py)."""
+        return stage_layers(self.model, self.layout.pp * self.layout.vpp)
+
+    @property
+    def even_split(self) -> int | None:
+        """Layers per stage where every stage has as many, else None."""
+        sizes = {len(span) for span in self.stage_layers}
+        return sizes.pop() if len(sizes) == 1 else None
 
 
 def target(question: dict, layout_text: str) -> Target:
@@ -83,6 +91,22 @@ def target(question: dict, layout_text: str) -> Target:
 
 
 # -- Megatron-LM ------------------------------------------------------------------------------
+def _megatron_split(t: Target, add) -> list[str]:
+    """Our stage split in Megatron-LM's flags; returns the virtual-stage flags the
+    schedule mapping writes."""
+    L, sizes = t.layout, [len(span) for span in t.stage_layers]
+    if t.even_split:
+        return ["--num-layers-per-virtual-pipeline-stage", str(t.even_split)] if L.vpp > 1 else []
+    first, middle, last = sizes[0], sizes[1:-1], sizes[-1]
+    flags = ["--decoder-first-pipeline-num-layers", str(first), "--decoder-last-pipeline-num-layers", str(last)]
+    even_middle = len(set(middle)) <= 1
+    add(f"stage split {sizes}", "exact" if even_middle and L.vpp == 1 else "approximate", flags,
+        "ours weighs the embedding and the head as layers; Megatron-LM splits the layers between the first "
+        "and the last stage evenly" + ("" if even_middle else f", where ours gives {middle}")
+        + ("" if L.vpp == 1 else "; check how your version applies these to virtual stages"))
+    return ["--num-virtual-stages-per-pipeline-rank", str(L.vpp)] if L.vpp > 1 else []
+
+
 def megatron(t: Target) -> Export:
     L, m, args, maps = t.layout, t.model, [], []
 
@@ -96,7 +120,7 @@ def megatron(t: Target) -> Export:
             "" if L.sp else "Megatron-LM leaves sequence parallel off unless --sequence-parallel is given")
     add(f"pp={L.pp}", "exact", ["--pipeline-model-parallel-size", str(L.pp)])
     if L.pp > 1:
-        vstage = ["--num-layers-per-virtual-pipeline-stage", str(t.layers_per_stage)]
+        vstage = _megatron_split(t, add)
         if L.schedule == "1f1b":
             add("schedule=1f1b", "exact", [], "Megatron-LM's schedule without virtual stages is 1F1B")
         elif L.schedule == "interleaved_1f1b":
@@ -205,15 +229,16 @@ def torchtitan(t: Target) -> Export:
     par["pipeline_parallel_degree"] = L.pp
     maps.append(Mapping(f"pp={L.pp}", "exact", f"pipeline_parallel_degree = {L.pp}"))
     if L.pp > 1:
+        split_points = [f"layers.{span.start}" for span in t.stage_layers[1:]]
         par.update(pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[L.schedule],
-                   pipeline_parallel_layers_per_stage=t.layers_per_stage,
-                   pipeline_parallel_microbatch_size=L.mbs)
+                   pipeline_parallel_split_points=split_points, pipeline_parallel_microbatch_size=L.mbs)
         maps.append(Mapping(f"schedule={L.schedule}", "exact",
                             f"pipeline_parallel_schedule = \"{TORCHTITAN_SCHEDULES[L.schedule]}\"",
                             "the same torch.distributed.pipelining schedule"))
-        maps.append(Mapping(f"vpp={L.vpp}", "approximate", f"pipeline_parallel_layers_per_stage = "
-                            f"{t.layers_per_stage}", "the same layers per stage; torchtitan may count the "
-                                                    "embedding and output head as layers when it splits"))
+        maps.append(Mapping(f"vpp={L.vpp}, stages {[len(span) for span in t.stage_layers]} layers", "exact",
+                            f"pipeline_parallel_split_points = {split_points}",
+                            "each split point starts a stage, so the stages hold our layers; newer torchtitan "
+                            "names every stage's modules in module_fqns_per_model_part instead"))
     par["context_parallel_degree"] = L.cp
     maps.append(Mapping(f"cp={L.cp}", "exact" if L.cp == 1 else "approximate", f"context_parallel_degree = {L.cp}",
                         "" if L.cp == 1 else "the same head-tail sharding; torchtitan exchanges KV with torch's "

@@ -83,6 +83,8 @@ class Layout:
             changes.update(schedule="1f1b", vpp=1)
         if self.dp == 1:
             changes.update(zero=0, dp_shard=1)
+        elif self.pp > 1 and self.zero == 3:
+            changes.update(zero=2)  # under PP FSDP keeps parameters gathered through the step either way
         if self.tp == 1:
             changes.update(sp=0)
         return dataclasses.replace(self, **changes)
@@ -172,10 +174,12 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
     # Context parallel: head-tail sharding cuts the sequence into 2*cp chunks.
     if L.cp > 1 and m.seq_len % (2 * L.cp):
         raise UsageError(f"layout.cp: seq_len ({m.seq_len}) must divide by 2*cp ({2 * L.cp})")
-    # Pipeline parallel: pp*vpp stages of whole layers; schedules need their stage counts.
+    # Pipeline parallel: pp*vpp stages of whole layers (stage_split.py balances them, so
+    # they need not divide evenly); schedules need their stage counts.
     stages = L.pp * L.vpp
-    if m.num_layers % stages:
-        raise UsageError(f"layout.pp: num_layers ({m.num_layers}) must divide by pp*vpp ({stages})")
+    if m.num_layers < stages:
+        raise UsageError(f"layout.pp: every pipeline stage needs a layer: num_layers ({m.num_layers}) "
+                         f"must be at least pp*vpp ({stages})")
     if L.pp == 1 and L.vpp > 1:
         raise UsageError("layout.vpp: virtual stages need pp > 1")
     if L.pp > 1:
@@ -196,6 +200,27 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
     if m.global_batch_size % (L.mbs * L.dp):
         raise UsageError(f"layout.mbs: global_batch_size ({m.global_batch_size}) must divide by "
                          f"mbs*dp ({L.mbs}*{L.dp})")
+    if L.pp > 1:
+        check_microbatches(L, m)
+
+
+def check_microbatches(L: Layout, m: ModelConfig) -> None:
+    """What torch's schedules (torch.distributed.pipelining, 2.13) ask of the micro-batch
+    count, grad_accum = global_batch_size / (mbs*dp): 1F1B at least one per stage;
+    DualPipeV at least one per stage, 2*pp of them; the interleaved schedules a whole
+    number of rounds of pp (a multiple of max(1, grad_accum // pp)). GPipe and ZBV take any."""
+    count = L.grad_accum(m)
+    where = f"grad_accum = global_batch_size / (mbs*dp) = {m.global_batch_size} / ({L.mbs}*{L.dp}) = {count}"
+    if L.schedule == "1f1b" and count < L.pp:
+        raise UsageError(f"layout.mbs: schedule 1f1b needs at least pp ({L.pp}) micro-batches per step, "
+                         f"got {where}")
+    if L.schedule == "dualpipev" and count < 2 * L.pp:
+        raise UsageError(f"layout.mbs: schedule dualpipev needs at least 2*pp ({2 * L.pp}) micro-batches "
+                         f"per step (one per stage), got {where}")
+    rounds = max(1, count // L.pp)
+    if L.schedule in LOOPED_SCHEDULES and count % rounds:
+        raise UsageError(f"layout.mbs: schedule {L.schedule} runs micro-batches in rounds of pp, so "
+                         f"grad_accum must be a multiple of max(1, grad_accum // pp) = {rounds}, got {where}")
 
 
 def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node: int | None = None

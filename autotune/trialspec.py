@@ -25,6 +25,7 @@ class TrialSpec:
     seed: int = 0
     device: str = "cpu"
     lr: float = 1e-3
+    max_grad_norm: float | None = None  # clip gradients to this global L2 norm; None: no clipping
     memory_budget_gb: float | None = None
     peak_tflops: float | None = None
     hardware: str | None = None

@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/estimate_speed.py [--model M] [--gpus N] [--repeat R]
 
 Prints one JSON line: the layout count, the best of R timings of estimating them all
-(wall and CPU seconds), the time to enumerate them (layout.py's work, reported apart),
-and the machine's load average, since a busy machine slows both.
+(wall and CPU seconds; each starts with the estimator's memo of the model cleared),
+the time to enumerate them (layout.py's work, reported apart), and the machine's load
+average, since a busy machine slows both.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import platform
 import time
 
+from autotune import estimate_memory
 from autotune.config import load_hardware, load_model
 from autotune.estimate import budget_bytes, estimate, valid_layouts
 
@@ -36,6 +38,8 @@ def main() -> None:
 
     walls, cpus = [], []
     for _ in range(args.repeat):
+        # Each timing starts cold: the estimator memoises per model what layouts share.
+        estimate_memory._FIGURES.clear()
         wall, cpu = time.perf_counter(), time.process_time()
         estimates = [estimate(model, layout, hardware, budget) for layout in layouts]
         walls.append(time.perf_counter() - wall)

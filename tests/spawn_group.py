@@ -75,15 +75,19 @@ def _worker(rank: int, world_size: int, store_path: str, specs: list[str], out_d
     dist.destroy_process_group()
 
 
-def run_layouts(world_size: int, layouts: list[str], model: str | ModelConfig = "tiny", steps: int = 3,
+def run_layouts(world_size: int, layouts: list, model: str | ModelConfig = "tiny", steps: int = 3,
                 warmup: int = 0, seed: int = 0, with_params: bool = False, profile: bool = False,
                 **spec_fields) -> list[dict]:
     """Run each full layout string on `world_size` gloo ranks; rank 0's result per layout.
 
+    A layout may also be (layout string, {TrialSpec field: value}) for fields of its own.
     with_params: each result also holds "params", {name: flat list} of the trained weights."""
     cfg = load_model(model) if isinstance(model, str) else model
-    specs = [TrialSpec(model=dataclasses.asdict(cfg), layout=layout, steps=steps, warmup=warmup, seed=seed,
-                       profile=profile, **spec_fields).to_json() for layout in layouts]
+    specs = []
+    for layout in layouts:
+        layout, own = (layout, {}) if isinstance(layout, str) else layout
+        specs.append(TrialSpec(model=dataclasses.asdict(cfg), layout=layout, steps=steps, warmup=warmup, seed=seed,
+                               profile=profile, **{**spec_fields, **own}).to_json())
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), specs, tmp, with_params),
                            nprocs=world_size, start_method="spawn")

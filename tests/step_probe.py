@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -43,14 +44,19 @@ def step_batches(cfg, layout, mesh, step: int):
                          cfg.seq_len, cfg.vocab_size)
 
 
-def trainer_for(text: str, model: str = MODEL):
+def trainer_for(text: str, model: str = MODEL, **spec_fields):
     """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them."""
     cfg = load_model(model)
     layout = resolve(text, cfg, dist.get_world_size())
     mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
     trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
-                            TrialSpec(model=dataclasses.asdict(cfg), layout=text))
+                            TrialSpec(model=dataclasses.asdict(cfg), layout=text, **spec_fields))
     return cfg, layout, mesh, trainer
+
+
+def model_parts(trainer) -> list:
+    """The modules a rank trains: the model, or its pipeline stages."""
+    return trainer.model if isinstance(trainer.model, list) else [trainer.model]
 
 
 def memory_by_kind(snapshot: dict) -> dict:
@@ -58,23 +64,27 @@ def memory_by_kind(snapshot: dict) -> dict:
     return {getattr(kind, "value", kind): size for kind, size in snapshot[torch.device("cpu")].items()}
 
 
-def first_step_gradients(layouts: list[str], model: str = MODEL) -> list[dict] | None:
-    """{plain name: flat list} of the full gradients the optimizer sees at step 0, per layout
-    (on rank 0; None elsewhere). Not for zero=1, whose optimizer takes its gradient slices
-    before any hook registered after it could look."""
+def first_step_gradients(layouts: list[str], model: str = MODEL, spec_fields: dict | None = None) -> list[dict] | None:
+    """{plain name: flat list} of the full gradients the optimizer sees at step 0 (after
+    clipping, if `spec_fields` asks for it), per layout, gathered from every pipeline
+    stage (on rank 0; None elsewhere). Not for zero=1, whose optimizer takes its
+    gradient slices before any hook registered after it could look."""
     results = []
     for text in layouts:
-        cfg, layout, mesh, trainer = trainer_for(text, model)
+        cfg, layout, mesh, trainer = trainer_for(text, model, **(spec_fields or {}))
         assert layout.zero != 1
         grads = {}
 
         def capture(optimizer, args, kwargs):
-            for name, param in trainer.model.named_parameters():
-                grads[plain_name(name)] = full(param.grad).flatten().tolist()
+            for part in model_parts(trainer):
+                for name, param in part.named_parameters():
+                    grads[plain_name(name)] = full(param.grad).flatten().tolist()
 
         trainer.optimizer.register_step_pre_hook(capture)
         trainer.step(step_batches(cfg, layout, mesh, 0))
-        results.append(grads)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, grads)
+        results.append({name: grad for rank_grads in everyone for name, grad in rank_grads.items()})
     return results if dist.get_rank() == 0 else None
 
 
@@ -226,3 +236,53 @@ def zero_one_against_adamw(shapes: list[list[int]], bucket_elements: int, steps:
         "state_elements": sum(s["exp_avg"].numel() for s in sliced_adamw.state.values()),
         "grads_left": sum(p.grad is not None for p in sliced),
     }
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd saves for backward that are alive at once, and the
+    most of them over a step: the activations a rank holds. Storages are counted once
+    each, from their packing until Python frees them; parameters' storages (which
+    autograd saves too, for the weight gradients' inputs) are not activations."""
+
+    def __init__(self, modules):
+        self.parameters = {local(p).untyped_storage()._cdata for m in modules for p in m.parameters()}
+        self.alive: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self.parameters and key not in self.alive:
+            self.alive[key] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self.release, key)
+        return tensor
+
+    def release(self, key: int) -> None:
+        self.now -= self.alive.pop(key, 0)
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
+
+
+def pipeline_activation_peaks(cases: list[tuple[str, int]]) -> list[int]:
+    """Per (layout, global batch size): this rank's peak bytes of saved activations over
+    one training step (the second: the first also infers the stages' shapes)."""
+    results = []
+    for text, global_batch in cases:
+        cfg = dataclasses.replace(load_model(MODEL), global_batch_size=global_batch)
+        layout = resolve(text, cfg, dist.get_world_size())
+        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
+                                TrialSpec(model=dataclasses.asdict(cfg), layout=text))
+        trainer.step(step_batches(cfg, layout, mesh, 0))
+        with SavedActivations(model_parts(trainer)) as saved:
+            trainer.step(step_batches(cfg, layout, mesh, 1))
+        results.append(saved.peak)
+    return results

@@ -13,9 +13,10 @@ from autotune.cli import main
 from autotune.config import load_hardware, load_model
 from autotune.estimate import (GIB, Calibration, budget_bytes, calibrate, default_calibration, estimate,
                                rank_estimates, valid_layouts)
-from autotune.estimate_memory import (SavedTotals, Saved, chunks_in_flight, rank_memory, rank_shape,
+from autotune.estimate_memory import (SavedTotals, Saved, chunks_in_flight, peak_points, rank_memory, rank_shape,
                                       saved_bytes_per_token)
 from autotune.layout import Layout, resolve
+from autotune.stage_split import rank_stage_ids
 
 TINY = load_model("tiny")
 LLAMA_70B = load_model("llama3-70b")
@@ -145,6 +146,69 @@ def test_microbatches_in_flight_match_torch_schedules(schedule, vpp, pp, m):
     layout = Layout(pp=pp, vpp=vpp, schedule=schedule)
     ours = [chunks_in_flight(layout, m, rank) for rank in range(pp)]
     assert ours == torch_in_flight(schedule, pp, m, vpp)
+
+
+def torch_rank_timelines(schedule: str, pp: int, m: int, vpp: int) -> list[list[tuple[int, int]]]:
+    """Per rank, after each action of torch's list: (forwards held, postponed weight steps
+    of stages but the first). A split backward's input step (I) postpones, its weight
+    step (W) frees; stage 0's input step computes nothing (torch runs its whole backward
+    at W)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    timelines = []
+    for rank_ops in get_schedule_ops(TORCH_SCHEDULES[schedule], pp, m, vpp):
+        held = postponed = 0
+        timeline = []
+        for action in filter(None, rank_ops):
+            for a in action.sub_actions or (action,):
+                kind = a.computation_type.value
+                held += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
+                if a.stage_index > 0:
+                    postponed += {"I": 1, "W": -1}.get(kind, 0)
+                timeline.append((held, postponed))
+        timelines.append(timeline)
+    return timelines
+
+
+@pytest.mark.parametrize("schedule, vpp, pp, m", [
+    (s, v, p, m) for s, v in (("zero_bubble", 2), ("zero_bubble", 4), ("zbv", 2), ("dualpipev", 2))
+    for p in (2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12, 16)
+    if not (s == "dualpipev" and m < 2 * p) and not (s == "zero_bubble" and m % max(1, m // p))
+    and not (s == "zbv" and p < m < 2 * p - 1)  # peak_points leaves out two light moments there
+])
+def test_split_backward_peaks_match_torch_schedules(schedule, vpp, pp, m):
+    """For activations per chunk A and postponed output gradients P with P <= A (about
+    0.7 A in a Llama block), the heaviest moment of torch's action list, max(A * held +
+    P * postponed), is one of peak_points."""
+    layout = Layout(pp=pp, vpp=vpp, schedule=schedule)
+    for rank, timeline in enumerate(torch_rank_timelines(schedule, pp, m, vpp)):
+        for a, p in ((1.0, 0.0), (1.0, 0.5), (1.0, 1.0)):
+            ours = max(a * held + p * postponed for held, postponed in peak_points(layout, m, rank))
+            assert ours == max(a * held + p * postponed for held, postponed in timeline), (rank, a, p)
+
+
+@pytest.mark.parametrize("schedule, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
+                                           ("interleaved_1f1b", 3), ("zero_bubble", 2), ("zbv", 2),
+                                           ("dualpipev", 2)])
+def test_a_ranks_sends_per_step_match_torch_schedules(schedule, vpp):
+    """Activations sent forward by stages whose next stage is on another rank, gradients
+    sent back by stages fed from another rank: m * (sending_across + receiving_across)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    pp, m = 4, 8
+    model = dataclasses.replace(TINY, num_layers=24)
+    layout = Layout(pp=pp, vpp=vpp, schedule=schedule)
+    owner = {s: r for r in range(pp) for s in rank_stage_ids(layout, r)}
+    last = pp * vpp - 1
+    for rank, rank_ops in enumerate(get_schedule_ops(TORCH_SCHEDULES[schedule], pp, m, vpp if vpp > 1 else None)):
+        sends = 0
+        for action in filter(None, rank_ops):
+            for a in action.sub_actions or (action,):
+                stage, kind = a.stage_index, a.computation_type.value
+                sends += kind == "F" and stage < last and owner[stage + 1] != rank
+                sends += kind in ("B", "I") and stage > 0 and owner[stage - 1] != rank
+        shape = rank_shape(model, layout, rank)
+        assert sends == m * (shape.sending_across + shape.receiving_across), rank
 
 
 # -- monotonic sanity -------------------------------------------------------------------------------

@@ -46,7 +46,15 @@ def test_parse_errors(text, message):
     ("zero=4", 2, r"layout.zero: must be one of 0, 1, 2, 3, got 4"),
     ("sp=1", 2, r"layout.sp: sequence parallel needs tp > 1"),
     ("cp=64", 64, r"layout.cp: seq_len \(64\) must divide by 2\*cp \(128\)"),
-    ("pp=3", 3, r"layout.pp: num_layers \(8\) must divide by pp\*vpp \(3\)"),
+    ("pp=4,vpp=4,schedule=interleaved_1f1b", 4,
+     r"layout.pp: every pipeline stage needs a layer: num_layers \(8\) must be at least pp\*vpp \(16\)"),
+    ("pp=4,mbs=8", 4, r"layout.mbs: schedule 1f1b needs at least pp \(4\) micro-batches per step, got "
+                      r"grad_accum = global_batch_size / \(mbs\*dp\) = 16 / \(8\*1\) = 2"),
+    ("pp=2,schedule=dualpipev,vpp=2,mbs=8", 2,
+     r"layout.mbs: schedule dualpipev needs at least 2\*pp \(4\) micro-batches per step \(one per stage\)"),
+    ("pp=3,schedule=interleaved_1f1b,vpp=2", 3, r"layout.mbs: schedule interleaved_1f1b runs micro-batches in "
+                                                r"rounds of pp, so grad_accum must be a multiple of "
+                                                r"max\(1, grad_accum // pp\) = 5"),
     ("pp=2,vpp=2", 2, r"layout.vpp: schedule 1f1b runs one stage per rank, so vpp must be 1"),
     ("pp=2,schedule=zbv", 2, r"layout.vpp: schedule zbv runs two stages per rank, so vpp must be 2"),
     ("vpp=2", 1, r"layout.vpp: virtual stages need pp > 1"),
@@ -58,6 +66,34 @@ def test_parse_errors(text, message):
 def test_rules_name_the_key_and_the_numbers(text, gpus, message):
     with pytest.raises(UsageError, match="^" + message):
         resolve(text, TINY, gpus)
+
+
+TORCH_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                   "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+
+
+def test_pipeline_rules_accept_exactly_what_torch_schedules_accept():
+    """For every schedule, pp 2-4 and 1-12 micro-batches: layout.check passes exactly the
+    cases whose torch schedule can be built (torch raises in its constructors). Looped
+    schedules at vpp=2: torch's schedule lister needs two stages per rank for them."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    for schedule, torch_name in TORCH_SCHEDULES.items():
+        vpp = 1 if schedule in ("gpipe", "1f1b") else 2
+        for pp in (2, 3, 4):
+            for microbatches in range(1, 13):
+                model = dataclasses.replace(TINY, num_layers=24, global_batch_size=microbatches)
+                try:
+                    resolve(f"pp={pp},schedule={schedule},vpp={vpp}", model, pp)
+                    ours = True
+                except UsageError:
+                    ours = False
+                try:
+                    get_schedule_ops(torch_name, pp, microbatches, vpp if vpp > 1 else None)
+                    theirs = True
+                except (ValueError, AssertionError):
+                    theirs = False
+                assert ours == theirs, (schedule, pp, microbatches)
 
 
 def test_moe_rules():
@@ -117,3 +153,11 @@ def test_layout_short_form():
 def test_model_from_dict_rejects_bad_types():
     with pytest.raises(UsageError, match="^name: missing required field"):
         model_from_dict({"vocab_size": 1})
+
+
+def test_zero3_folds_into_zero2_under_pp():
+    """Under PP FSDP keeps parameters gathered through the step at zero 2 and 3 alike,
+    so a search enumerates the pair once."""
+    assert resolve("pp=2,zero=3", TINY, 4).canonical().zero == 2
+    assert resolve("zero=3", TINY, 4).canonical().zero == 3
+    assert len(enumerate_layouts(TINY, 4, {"pp": [2], "zero": [2, 3]})) == 1

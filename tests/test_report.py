@@ -151,7 +151,9 @@ def test_exports_of_a_known_pipeline_layout(tmp_path):
     write_best(tmp_path, known_question(), best_row(layout))
     assert megatron_args(tmp_path / "megatron_args.sh") == [
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-        "--num-layers-per-virtual-pipeline-stage", "8", "--context-parallel-size", "1",
+        # llama3-8b's 4 stages hold 7, 9, 9, 7 layers: the embedding and head weigh 1.84 layers each.
+        "--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
+        "--num-virtual-stages-per-pipeline-rank", "2", "--context-parallel-size", "1",
         "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
         "--micro-batch-size", "1", "--global-batch-size", "512", "--seq-length", "8192",
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1", "--bf16"]
@@ -159,7 +161,8 @@ def test_exports_of_a_known_pipeline_layout(tmp_path):
     assert toml["parallelism"] == {
         "data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2, "fsdp_reshard_after_forward": "never",
         "tensor_parallel_degree": 2, "enable_async_tensor_parallel": False, "pipeline_parallel_degree": 2,
-        "pipeline_parallel_schedule": "Interleaved1F1B", "pipeline_parallel_layers_per_stage": 8,
+        "pipeline_parallel_schedule": "Interleaved1F1B",
+        "pipeline_parallel_split_points": ["layers.7", "layers.16", "layers.25"],
         "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1, "expert_parallel_degree": 1}
     # PP: one local batch of 128 micro-batches (512 / (mbs 1 x dp 4)) per step, no accumulation steps.
     assert toml["training"]["local_batch_size"] == 128 and toml["training"]["global_batch_size"] == 512

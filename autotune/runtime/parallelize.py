@@ -27,9 +27,11 @@ from autotune.runtime.model import Transformer
 from autotune.runtime.parallel.cp import HeadTailSharder, apply_context_parallel
 from autotune.runtime.parallel.dp import apply_data_parallel, build_optimizer, mixed_precision_policy
 from autotune.runtime.parallel.ep import apply_expert_parallel
+from autotune.runtime.parallel.pp import PipelineTrainer, build_schedule, split_stages
 from autotune.runtime.parallel.recompute import apply_recompute
 from autotune.runtime.parallel.tp import apply_tensor_parallel
 from autotune.runtime.train import Trainer
+from autotune.stage_split import stage_count
 from autotune.trialspec import TrialSpec
 
 
@@ -47,21 +49,32 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
     apply_data_parallel(stage, mesh, layout, mp_policy)
 
 
-def build_model(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.device,
-                seed: int) -> nn.Module:
+def build_parts(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.device,
+                seed: int) -> dict[int, nn.Module]:
+    """{stage id: module}: the whole model as stage 0 without PP, else this rank's
+    pipeline stages; each parallelised, materialised and initialised."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    parallelize_stage(model, layout, mesh, mixed_precision_policy(cfg, device))
-    model.to_empty(device=device)
-    init_weights(model, seed, cfg.hidden_size, cfg.num_layers)
-    return model
+    parts = split_stages(model, cfg, layout, mesh.local_rank("pp")) if layout.pp > 1 else {0: model}
+    for part in parts.values():
+        parallelize_stage(part, layout, mesh, mixed_precision_policy(cfg, device))
+        part.to_empty(device=device)
+        init_weights(part, seed, cfg.hidden_size, cfg.num_layers)
+    return parts
 
 
 def build_trainer(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.device,
-                  spec: TrialSpec) -> Trainer:
+                  spec: TrialSpec) -> Trainer | PipelineTrainer:
     """The parallelised model with its optimizer, ready to train on micro-batches."""
-    model = build_model(cfg, layout, mesh, device, spec.seed)
-    optimizer = build_optimizer(model, mesh, layout, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    parts = build_parts(cfg, layout, mesh, device, spec.seed)
+    optimizer = build_optimizer(nn.ModuleList(parts.values()), mesh, layout,
+                                lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
     # Under TP the logits stay vocab-sharded and the loss is computed on the shards.
-    return Trainer(model, optimizer, loss_context=loss_parallel if layout.tp > 1 else contextlib.nullcontext,
-                   shard_batch=HeadTailSharder(mesh["cp"]) if layout.cp > 1 else None)
+    loss_context = loss_parallel if layout.tp > 1 else contextlib.nullcontext
+    shard_batch = HeadTailSharder(mesh["cp"]) if layout.cp > 1 else None
+    if layout.pp == 1:
+        return Trainer(parts[0], optimizer, loss_context, shard_batch, max_grad_norm=spec.max_grad_norm)
+    pp_group = mesh["pp"].get_group()
+    schedule = build_schedule(parts, layout, layout.grad_accum(cfg), pp_group, device)
+    return PipelineTrainer(parts, schedule, optimizer, stage_count(layout), pp_group, loss_context,
+                           shard_batch, max_grad_norm=spec.max_grad_norm)

@@ -191,12 +191,13 @@ def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_
 def global_losses(local: torch.Tensor, mesh) -> list[float]:
     """Mean loss of the global batch per step, the same on every rank.
 
-    Every rank of a tp group holds the same loss, and only the last pipeline stage
-    holds one at all; so those ranks contribute local / (dp*cp) and the others zero,
-    and one all-reduce over the world gives the mean over data-parallel ranks.
+    Every rank of a tp group holds the same loss; a pipeline rank holds the token loss
+    only if it runs the last stage, and the MoE balance losses of its own stages. So tp
+    rank 0 of every pipeline rank contributes local / (dp*cp), the others zero, and one
+    all-reduce over the world sums the stages and averages the data-parallel ranks.
     """
-    holds_loss = mesh["tp"].get_local_rank() == 0 and mesh["pp"].get_local_rank() == mesh["pp"].size() - 1
-    share = local.double() / mesh["dp_cp"].size() if holds_loss else torch.zeros_like(local, dtype=torch.float64)
+    counted = mesh["tp"].get_local_rank() == 0
+    share = local.double() / mesh["dp_cp"].size() if counted else torch.zeros_like(local, dtype=torch.float64)
     share = share.cpu()
     if dist.get_backend() == "nccl":
         share = share.to(local.device)

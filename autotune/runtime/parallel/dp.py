@@ -18,15 +18,18 @@ over dp_replicate. zero 2/3 use fully_shard on the 2-D (dp_replicate, dp_shard_c
 mesh (reduce-scatter inside a shard group, all-reduce across replicas); zero=1 slices
 the optimizer over dp_shard_cp.
 
+Under pipeline parallel zero 3 keeps its parameters gathered between micro-batches as
+zero 2 does (reshard_after_forward=False; see pp.py for what the schedules do).
+
 Units: every block is its own FSDP unit (one all-gather / reduce per block, overlapped
 with the neighbouring blocks' compute), the embedding another, and the root holds the
 final norm and the output head. Under expert parallel the routed experts of each MoE
 block are a unit of their own, wrapped the same way but on the expert meshes: they
 are sharded over edp_shard = dp_shard x cp / ep (HSDP: replicated over dp_replicate)
 and their gradients reduced over edp = dp x cp / ep, the ranks that hold the same
-experts (runtime/parallel/ep.py says why that gives the right average). At zero=3 the root keeps its parameters gathered from
-the end of forward to the start of backward (FSDP's default for the root), because
-backward needs the head first.
+experts (runtime/parallel/ep.py says why that gives the right average). At zero=3 the
+root keeps its parameters gathered from the end of forward to the start of backward
+(FSDP's default for the root), because backward needs the head first.
 
 Classic DDP is not used: it does not compose with DTensor tensor parallel, FSDP2's
 replicate does.
@@ -73,25 +76,28 @@ def apply_data_parallel(model: nn.Module, mesh: Meshes, layout: Layout,
         return
     mp_policy = mp_policy or MixedPrecisionPolicy()
     hsdp = mesh.size("dp_replicate") > 1
+    # Under PP a stage runs several forwards before their backwards: keep its parameters
+    # gathered between them (torch's schedules reshard once, after the step's last backward).
+    reshard = layout.zero == 3 and layout.pp == 1
     if layout.ep > 1:
         experts_mesh = mesh["edp"] if layout.zero <= 1 else mesh.expert_hsdp() if hsdp else mesh["edp_shard"]
         for layer in moe_layers(model).values():
-            wrap(layer.experts, experts_mesh, layout.zero, mp_policy)
+            wrap(layer.experts, experts_mesh, layout.zero, mp_policy, reshard)
             divide_expert_gradients(layer.experts, layout.ep)
     dense_mesh = mesh["dp_cp"] if layout.zero <= 1 else mesh.hsdp() if hsdp else mesh["dp_shard_cp"]
     for unit in list(model.layers.values()) + [model.tok_embeddings]:
         if unit is not None:
-            wrap(unit, dense_mesh, layout.zero, mp_policy)
-    wrap(model, dense_mesh, layout.zero, mp_policy, root=True)
+            wrap(unit, dense_mesh, layout.zero, mp_policy, reshard)
+    wrap(model, dense_mesh, layout.zero, mp_policy, reshard=False)  # the root: backward needs the head first
 
 
-def wrap(unit: nn.Module, mesh, zero: int, mp_policy: MixedPrecisionPolicy, root: bool = False) -> None:
+def wrap(unit: nn.Module, mesh, zero: int, mp_policy: MixedPrecisionPolicy, reshard: bool) -> None:
     """One FSDP unit as `zero` says (module docstring); `mesh` is 1-D for replicate and
     sharding, 2-D (replicate, shard) for HSDP."""
     if zero <= 1:
         replicate(unit, mesh=mesh, mp_policy=mp_policy)
     else:
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=zero == 3 and not root)
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
 
 
 def build_optimizer(model: nn.Module, mesh: Meshes, layout: Layout, **adamw_options) -> torch.optim.Optimizer:

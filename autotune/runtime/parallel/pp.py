@@ -1,0 +1,156 @@
+"""Pipeline parallel on torch.distributed.pipelining: stages, schedule, trainer.
+
+Written here: only the split. The meta-device model is deep-copied once per stage a
+rank runs and pruned to that stage's layers (stage_split.py says which, and which
+stages each rank runs); the first stage keeps the embedding, the last the final norm
+and the head, the others have them set to None, which the model's forward skips. The
+layers keep their global names (a ModuleDict keyed by layer index), so init and the
+tests see the plain model's parameter names. Each stage is then parallelised like a
+whole model (parallelize.parallelize_stage) and wrapped in a `PipelineStage`.
+
+torch's schedules run everything else:
+
+    gpipe             ScheduleGPipe                  1 stage per rank
+    1f1b              Schedule1F1B                   1 stage per rank, micro-batches >= pp
+    interleaved_1f1b  ScheduleInterleaved1F1B        vpp stages per rank (looped)
+    zero_bubble       ScheduleInterleavedZeroBubble  vpp stages per rank (looped), split backward
+    zbv               ScheduleZBVZeroBubble          2 stages per rank in a V, split backward
+    dualpipev         ScheduleDualPipeV              2 stages per rank in a V, micro-batches >= 2*pp
+
+(layout.check holds each schedule's own preconditions.) The loss: the schedule is built
+with scale_grads=False and a loss function that divides each micro-batch's token mean
+by the number of micro-batches, exactly as the unpipelined Trainer does, so losses and
+every gradient (also any that a layer injects into autograd itself) are those of one
+process. The trainer returns the sum of those scaled losses on the rank that runs the
+last stage (zero elsewhere) plus, on every rank, the MoE balance losses its own stages
+recorded; trial.global_losses sums them over the pipeline ranks and averages them
+over the data-parallel ranks.
+
+FSDP under PP: each stage is its own FSDP root. The schedules turn gradient sync and
+resharding after backward off for every micro-batch and, once a stage's last backward
+is done, run FSDP's post-backward themselves (`perform_reduce_grad`): one
+reduce-scatter (zero 2/3) or all-reduce (zero 0/1) per step. With scale_grads=False
+they do not rescale gradients afterwards. The runtime builds FSDP with
+reshard_after_forward=False under PP (dp.py), so the gathered parameters stay from the
+step's first forward to that reduction; zero 3 then behaves as zero 2. The multi-stage
+schedules also gather each stage's parameters explicitly before its first action
+(UNSHARD) and free them after the step (RESHARD).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from autotune.config import ModelConfig
+from autotune.layout import Layout
+from autotune.runtime.model import Transformer
+from autotune.runtime.moe import end_step, set_aux_loss_scale
+from autotune.runtime.train import clip_grad_norm, cross_entropy
+from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+
+
+def split_stages(model: Transformer, cfg: ModelConfig, layout: Layout, pp_rank: int) -> dict[int, Transformer]:
+    """{stage id: a pruned deep copy of the (meta-device) model} for the stages this
+    pipeline rank runs."""
+    stages = stage_count(layout)
+    layers = stage_layers(cfg, stages)
+    parts = {}
+    for stage_id in rank_stage_ids(layout, pp_rank):
+        part = copy.deepcopy(model)
+        for name in list(part.layers):
+            if int(name) not in layers[stage_id]:
+                del part.layers[name]
+        if stage_id != 0:
+            part.tok_embeddings = None
+        if stage_id != stages - 1:
+            part.norm = None
+            part.output = None
+        parts[stage_id] = part
+    return parts
+
+
+class ScaledLoss:
+    """The pipeline's loss function: a micro-batch's token mean / micro-batches per step."""
+
+    def __init__(self, microbatches: int):
+        self.microbatches = microbatches
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, labels) / self.microbatches
+
+
+def build_schedule(parts: dict[int, nn.Module], layout: Layout, microbatches: int,
+                   pp_group: dist.ProcessGroup, device: torch.device):
+    """torch's schedule for `layout.schedule` over this rank's stages."""
+    stages = [PipelineStage(part, stage_id, stage_count(layout), device, group=pp_group)
+              for stage_id, part in sorted(parts.items())]
+    schedule_class = SCHEDULES[layout.schedule]
+    if issubclass(schedule_class, PipelineScheduleSingle):
+        return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=ScaledLoss(microbatches),
+                              scale_grads=False)
+    return schedule_class(stages, n_microbatches=microbatches, loss_fn=ScaledLoss(microbatches),
+                          scale_grads=False)
+
+
+class PipelineTrainer:
+    """The Trainer's `step(batches)` on a pipelined model: one schedule step over the
+    step's micro-batches, then clipping and the optimizer step."""
+
+    def __init__(self, parts: dict[int, nn.Module], schedule, optimizer: torch.optim.Optimizer,
+                 num_stages: int, pp_group: dist.ProcessGroup, loss_context, shard_batch=None,
+                 max_grad_norm: float | None = None):
+        self.model = [part for _, part in sorted(parts.items())]  # this rank's stages
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self.pp_group = pp_group
+        self.loss_context = loss_context  # loss_parallel() under tensor parallel: forward and backward
+        self.shard_batch = shard_batch  # (inputs, labels) -> this rank's part, under context parallel
+        self.max_grad_norm = max_grad_norm
+        self.holds_inputs = 0 in parts
+        self.holds_loss = num_stages - 1 in parts
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Train on this rank's micro-batches; returns the rank's share of the loss: the
+        token loss on the rank with the last stage, plus its own stages' MoE balance losses."""
+        if self.shard_batch is not None:
+            batches = [self.shard_batch(x, y) for x, y in batches]
+        set_aux_loss_scale(self.model, 1 / len(batches))  # MoE balance losses scale as the loss does
+        inputs = torch.cat([x for x, _ in batches])  # the schedule cuts it back into the same micro-batches
+        labels = torch.cat([y for _, y in batches])
+        losses: list[torch.Tensor] = []
+        with self.loss_context():
+            self.schedule.step(*((inputs,) if self.holds_inputs else ()),
+                               target=labels if self.holds_loss else None,
+                               losses=losses, return_outputs=False)
+        if self.max_grad_norm is not None:
+            clip_grad_norm([p for part in self.model for p in part.parameters()], self.max_grad_norm, self.pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=inputs.device)
+        for loss in losses:
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        return total + end_step(self.model, total.device)

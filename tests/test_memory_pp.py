@@ -1,0 +1,30 @@
+"""A pipeline's first stage holds the micro-batches its schedule keeps in flight,
+measured: the bytes of the activations autograd saves, at their peak over a step."""
+
+import pytest
+from spawn_group import run_on_ranks
+from step_probe import pipeline_activation_peaks
+
+from autotune.estimate_memory import chunks_in_flight
+from autotune.layout import Layout
+
+MICROBATCHES = (2, 4, 8)  # global batch sizes at mbs=1, dp=1
+
+
+def test_first_stage_holds_every_microbatch_under_gpipe_and_pp_under_1f1b():
+    """pp=2 on tiny, one micro-batch of one sequence holds about 1.1 MB of activations on
+    the first stage. GPipe runs every forward before any backward, so the peak grows with
+    the micro-batches; 1F1B starts a backward once pp forwards are in flight, so it stays
+    at pp of them, what GPipe holds at m = pp. (The token ids of the step, 512 bytes per
+    micro-batch, are saved by the embedding too: hence rel=1e-2, not exact.)"""
+    cases = [(f"pp=2,schedule={schedule},mbs=1", m) for schedule in ("gpipe", "1f1b") for m in MICROBATCHES]
+    first_stage = run_on_ranks(2, pipeline_activation_peaks, cases)[0]
+    gpipe, one_f_one_b = first_stage[:3], first_stage[3:]
+    for m, peak in zip(MICROBATCHES, gpipe):
+        held = chunks_in_flight(Layout(pp=2, schedule="gpipe"), m, rank=0)
+        assert held == m
+        assert peak == pytest.approx(gpipe[0] * held / 2, rel=1e-2)
+    for m, peak in zip(MICROBATCHES, one_f_one_b):
+        held = chunks_in_flight(Layout(pp=2, schedule="1f1b"), m, rank=0)
+        assert held == 2
+        assert peak == pytest.approx(gpipe[0], rel=1e-2)
