@@ -14,6 +14,14 @@ The peak is the largest of three moments of a step (see rank_memory):
 From the second micro-batch on, the backward moments also hold FSDP2's unsharded fp32
 gradients, since the trainer syncs gradients on the last micro-batch only.
 
+Context parallel divides every per-token term by cp: each rank holds seq_len/cp
+tokens of each sequence, and ring attention saves what fused attention saves (q, k,
+v, output, log-sum-exp) for its own tokens only. The ring's buffers (the KV block in
+flight, fp32 dK/dV and dQ accumulators) live only inside one layer's attention; in
+backward they come after that layer's MLP backward has freed its saved tensors and
+SwiGLU's gradients, and they are not modelled as a peak of their own (no measured
+layout peaks there: benchmarks/estimator_accuracy.md).
+
 Activations are the tensors autograd saves, itemised per layer for our Llama block
 in the accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"): the same items with the paper's GPT block give its
@@ -94,14 +102,19 @@ def norm_saved_tensors(model: ModelConfig, compute: int, where: str) -> list[Sav
             Saved(f"{where} input (norm output)", h, compute, "full")]
 
 
-def block_saved_tensors(model: ModelConfig, moe: bool, compute: int) -> list[Saved]:
-    """The runtime's Block (runtime/model.py), item by item.
+def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_parallel: bool = False) -> list[Saved]:
+    """The runtime's Block (runtime/model.py, runtime/moe.py), item by item.
 
     Attention: RoPE saves only its cos/sin tables (counted per layer, not per token);
     fused SDPA saves q and k after RoPE, v, its output (also wo's input) and the fp32
     log-sum-exp, never seq x seq scores. SwiGLU saves gate, silu(gate), up and their
-    product. An MoE block saves the router's probabilities, the tokens dispatched to
-    their top-k experts, the experts' SwiGLU tensors and their outputs.
+    product. An MoE block saves the router's fp32 softmax, the top-k choices, their
+    probabilities and sum (the renormalisation, top_k > 1) and the routing weights; the
+    index of the permutation to expert order and of its inverse; each token's k
+    copies dispatched to the experts, the experts' SwiGLU tensors (k per token) and
+    their outputs; expert parallel adds the indices of its re-sort to local-expert
+    order and back. Tensor parallel leaves MoE blocks whole ("full"): every tp rank
+    routes the whole (gathered) sequence.
     """
     h = model.hidden_size
     q = model.num_heads * model.head_dim
@@ -111,12 +124,19 @@ def block_saved_tensors(model: ModelConfig, moe: bool, compute: int) -> list[Sav
                  Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
     if moe:
         k, ef = model.moe.top_k, model.moe.expert_ffn_hidden_size
-        mlp = [Saved("router probabilities", model.moe.num_experts, 4, "full"),
+        mlp = [Saved("router probabilities (fp32)", model.moe.num_experts, 4, "full"),
+               Saved("top-k choices (int64)", k, 8, "full"),
+               Saved("routing weights", k, compute, "full"),
+               Saved("permutation and inverse (int64)", 2 * k, 8, "full"),
                Saved("dispatched tokens", k * h, compute, "full"),
-               Saved("expert gate, silu, up, product", 4 * k * ef, compute, "tp"),
+               Saved("expert gate, silu, up, product", 4 * k * ef, compute, "full"),
                Saved("expert outputs", k * h, compute, "full")]
+        if k > 1:
+            mlp.append(Saved("top-k probabilities and their sum (fp32)", k + 1, 4, "full"))
+        if expert_parallel:
+            mlp.append(Saved("local-expert sort and inverse (int64)", 2 * k, 8, "full"))
         if model.moe.num_shared_experts:
-            mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "tp"))
+            mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "full"))
     else:
         mlp = [Saved("mlp gate, silu, up, product", 4 * model.ffn_hidden_size, compute, "tp")]
     return (norm_saved_tensors(model, compute, "attention") + attention
@@ -166,8 +186,8 @@ class ModelFigures:
     moe_active: float  # MoE parameters one token passes through (router, top-k, shared)
     moe_before: tuple[int, ...]  # moe_before[i]: MoE layers among layers 0..i-1
     flops_per_token: float
-    saved: dict  # (moe layer?, compute bytes) -> SavedTotals of a block; also a memo of
-    # saved_bytes_per_token: (moe layer?, compute bytes, tp, sp, recompute) -> bytes
+    saved: dict  # (moe layer?, compute bytes, expert parallel?) -> SavedTotals of a block; also
+    # a memo of saved_bytes_per_token: (moe layer?, compute bytes, expert parallel?, tp, sp, recompute) -> bytes
     final_norm: dict  # compute bytes -> SavedTotals of the final norm
     shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape,
     # and of pipeline_shapes
@@ -193,8 +213,8 @@ def model_figures(model: ModelConfig) -> ModelFigures:
         moe_routed=moe.num_experts * model.expert_params() if moe else 0,
         moe_active=router + (moe.top_k + moe.num_shared_experts) * model.expert_params() if moe else 0,
         moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
-        saved={(is_moe, c): SavedTotals.of(block_saved_tensors(model, is_moe, c))
-               for is_moe in ((False, True) if moe else (False,)) for c in (2, 4)},
+        saved={(is_moe, c, ep): SavedTotals.of(block_saved_tensors(model, is_moe, c, ep))
+               for is_moe in ((False, True) if moe else (False,)) for c in (2, 4) for ep in (False, True)},
         final_norm={c: SavedTotals.of(norm_saved_tensors(model, c, "final")) for c in (2, 4)}, shapes={}, peaks={})
     if len(_FIGURES) > 64:
         _FIGURES.clear()
@@ -242,9 +262,10 @@ class RankShape(NamedTuple):
     expert parallel, before FSDP shards them.
 
     TP splits q/k/v/o, gate/up/down, the embedding and the head by tp (Megatron's
-    column/row plan, vocabulary-parallel embedding and head); norms and the router stay
-    whole on every tp rank. EP gives each rank num_experts/ep routed experts, also split
-    by tp. The runtime never ties the head to the embedding, so both count.
+    column/row plan, vocabulary-parallel embedding and head); norms and MoE blocks (the
+    router, shared and routed experts) stay whole on every tp rank. EP gives each rank
+    num_experts/ep routed experts. The runtime never ties the head to the embedding, so
+    both count.
     """
 
     rank: int
@@ -256,7 +277,8 @@ class RankShape(NamedTuple):
     expert_params: float  # ... and these over dp_shard*cp/ep
     root_params: float  # embedding, final norm, head: FSDP's root module
     largest_block: float
-    largest_tensor: float
+    largest_tensor: float  # of the dense parameters
+    largest_expert_tensor: float  # one stacked expert weight, [experts/ep, hidden, ffn]
     receiving: int = 0  # stages that take activations from another stage (all but the first)
     sending: int = 0  # stages that hand activations on (all but the last)
     sending_across: int = 0  # ... to a stage on another rank
@@ -284,18 +306,23 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     first, last = 0 in stages, last_stage in stages
 
     dense_block = fig.attention / tp + 2 * h + fig.dense_mlp / tp
-    moe_block = fig.attention / tp + 2 * h + fig.moe_dense / tp
-    moe_experts = fig.moe_routed / layout.ep / tp
+    moe_block = fig.attention / tp + 2 * h + fig.moe_dense
+    moe_experts = fig.moe_routed / layout.ep
     embedding = model.embedding_params() / tp
     root = (embedding if first else 0.0) + (h + embedding if last else 0.0)
     dense_layers = layers - moe_layers
-    ffn = max(model.ffn_hidden_size, model.moe.expert_ffn_hidden_size if model.moe else 0)
+    dense_tensors = [embedding if root else 0.0, h * model.num_heads * model.head_dim / tp]
+    if dense_layers:
+        dense_tensors.append(h * model.ffn_hidden_size / tp)
+    if moe_layers:  # the router, the shared experts
+        dense_tensors.append(h * max(model.moe.num_experts, model.moe.num_shared_experts * model.moe.expert_ffn_hidden_size))
     return RankShape(
         rank=rank, layers=layers, moe_layers=moe_layers, first=first, last=last,
         dense_params=dense_layers * dense_block + moe_layers * moe_block + root,
         expert_params=moe_layers * moe_experts, root_params=root,
         largest_block=max(dense_block if dense_layers else 0.0, moe_block + moe_experts if moe_layers else 0.0),
-        largest_tensor=max(embedding if root else 0.0, h * ffn / tp),
+        largest_tensor=max(dense_tensors),
+        largest_expert_tensor=moe_experts / 3 if moe_layers else 0.0,
         receiving=sum(s > 0 for s in stages), sending=sum(s < last_stage for s in stages),
         sending_across=sum(s < last_stage and s + 1 not in stages for s in stages),
         receiving_across=sum(s > 0 and s - 1 not in stages for s in stages),
@@ -310,7 +337,7 @@ def weight_output_grads(model: ModelConfig, layout: Layout, layers: range, last:
     the row-parallel outputs whole; the norms' scaling split by tp under SP; the last
     stage's final norm too. (Its head's output gradient takes the place of the logits,
     which the input step frees: counted with the micro-batches waiting on the last
-    stage.) MoE: the router and the experts' SwiGLU for top_k experts."""
+    stage.) MoE (whole under TP): the router and the experts' SwiGLU for top_k experts."""
     tp, h = layout.tp, model.hidden_size
     stream = h / tp if layout.sp else h
     attention = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tp + h + 2 * stream
@@ -319,10 +346,22 @@ def weight_output_grads(model: ModelConfig, layout: Layout, layers: range, last:
         if model.is_moe_layer(layer):
             moe = model.moe
             experts = moe.top_k + moe.num_shared_experts
-            total += attention + moe.num_experts + experts * (2 * moe.expert_ffn_hidden_size / tp + h)
+            total += attention + moe.num_experts + experts * (2 * moe.expert_ffn_hidden_size + h)
         else:
             total += attention + 2 * model.ffn_hidden_size / tp + h
     return total + (stream if last else 0.0)
+
+
+def moe_layer_bytes(model: ModelConfig, layout: Layout) -> float:
+    """What an MoE layer keeps per micro-batch besides its per-token tensors: the
+    balance loss's fp32 counts per sequence and expert, the int32 offsets of its three
+    grouped matmuls (recomputed under full recompute), and the int64 expert counts its
+    backward records."""
+    experts = model.moe.num_experts
+    recorded = 8 * experts
+    if layout.recompute == "full":
+        return recorded
+    return recorded + 4 * layout.mbs * experts + 3 * 4 * experts / layout.ep
 
 
 # -- pipeline schedules ---------------------------------------------------------------------------
@@ -431,18 +470,20 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
     else:
         working = 0.0
 
-
-    # Token ids on the device: inputs and labels of every micro-batch of the step.
+    # Token ids on the device: inputs and labels of every micro-batch of the step, and
+    # under CP the head-tail shards of the current micro-batch's (int64, seq/cp each).
     rows = layout.mbs * m
     overhead = 8 * (model.seq_len + 1) * rows if device == "cpu" else \
         16 * model.seq_len * rows + CUDA_FIXED_OVERHEAD_BYTES
+    if layout.cp > 1:
+        overhead += 16 * layout.mbs * model.seq_len / layout.cp
 
     # AdamW's temporaries: the foreach kernels (CUDA) build sqrt(exp_avg_sq) for every
     # local tensor at once; the CPU's single-tensor loop makes two of one tensor at a time.
     if device == "cuda":
         temp = 4 * (sharded if layout.zero >= 1 else total)
     else:
-        temp = 2 * 4 * shape.largest_tensor / dense_shard
+        temp = 2 * 4 * max(shape.largest_tensor / dense_shard, shape.largest_expert_tensor / expert_shard)
     # torch's PipelineStage allocates, once for the run, a receive buffer per micro-batch
     # for the activations of each stage but the first and for the gradients of each
     # stage but the last ([micro-batch, seq/cp, hidden] in the compute dtype, split by
@@ -530,10 +571,12 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     sp, tp, c, h = bool(layout.sp), layout.tp, prec.compute, model.hidden_size
     block_input = h * c  # saved by full recompute's checkpoint
 
+    expert_parallel = layout.ep > 1
+
     def layer(moe: bool, recompute: str) -> float:
-        key = (moe, c, tp, sp, recompute)
+        key = (moe, c, moe and expert_parallel, tp, sp, recompute)
         if key not in fig.saved:
-            fig.saved[key] = saved_bytes_per_token(fig.saved[moe, c], tp, sp, recompute, block_input)
+            fig.saved[key] = saved_bytes_per_token(fig.saved[key[:3]], tp, sp, recompute, block_input)
         return fig.saved[key]
 
     def per_token(recompute: str) -> float:  # all of the rank's layers, one micro-batch
@@ -546,14 +589,25 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     kept = per_token(layout.recompute)
     # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch.
     rope = 0.0 if layout.recompute == "full" else shape.layers * model.seq_len / layout.cp * model.head_dim * 4
-    per_chunk = (tokens * kept + rope) / stage_chunks(layout)
+    moe_fixed = shape.moe_layers * moe_layer_bytes(model, layout) if shape.moe_layers else 0.0
+    per_chunk = (tokens * kept + rope + moe_fixed) / stage_chunks(layout)
     recomputed = tokens * (per_token("none") - kept) / shape.layers
-    if shape.moe_layers == shape.layers:
-        ffn, weight = model.moe.top_k * model.moe.expert_ffn_hidden_size, model.moe.expert_ffn_hidden_size
-    else:
-        ffn = weight = model.ffn_hidden_size
     incoming = tokens * h / (tp if sp else 1) * c
-    ffn_grad, weight_grad = tokens * ffn / tp * c, h * weight / tp * prec.grad
+    if shape.moe_layers == shape.layers:
+        # The experts' SwiGLU runs on k rows per token, and one gradient covers a weight of
+        # all local experts. By then the shared experts' backward has freed their saved
+        # tensors and left their input's gradient to be summed with the router's and the
+        # experts'; the combine's backward has freed its indices and routing weights (the
+        # gradient of the expert outputs replaces their saved copy).
+        moe = model.moe
+        rows, ef = tokens * moe.top_k, moe.expert_ffn_hidden_size
+        ffn_grad = rows * ef * c
+        weight_grad = moe.num_experts / layout.ep * h * ef * prec.grad
+        incoming -= rows * 8 + rows * c
+        if moe.num_shared_experts:
+            incoming += tokens * h * c - tokens * 4 * moe.num_shared_experts * ef * c
+    else:
+        ffn_grad, weight_grad = tokens * model.ffn_hidden_size / tp * c, h * model.ffn_hidden_size / tp * prec.grad
     vocab = tokens * model.vocab_size / tp  # elements of one micro-batch's logits
     final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input) if shape.last else 0.0
     m, v = layout.grad_accum(model), stage_chunks(layout)
