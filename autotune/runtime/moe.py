@@ -170,6 +170,13 @@ def set_aux_loss_scale(model: nn.Module | list[nn.Module], scale: float) -> None
         layer.aux_loss_scale = scale
 
 
+def discard_step(model: nn.Module | list[nn.Module]) -> None:
+    """Forget what the layers recorded since the last end_step: a forward and backward
+    that belongs to no step (torch's pipeline metadata inference, see pp.Stage)."""
+    for layer in moe_layers(model).values():
+        layer.step_aux = layer.step_counts = None
+
+
 def end_step(model: nn.Module | list[nn.Module], device: torch.device) -> torch.Tensor:
     """The balance-loss terms this rank's layers recorded in the step (0 for a dense
     model), to add to the step's loss; files each layer's expert counts of the step."""

@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 from autotune.config import ModelConfig
 from autotune.layout import Layout
 from autotune.runtime.model import Transformer
-from autotune.runtime.moe import end_step, set_aux_loss_scale
+from autotune.runtime.moe import discard_step, end_step, set_aux_loss_scale
 from autotune.runtime.train import clip_grad_norm, cross_entropy
 from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
 
@@ -103,10 +103,22 @@ class ScaledLoss:
         return cross_entropy(logits, labels) / self.microbatches
 
 
+class Stage(PipelineStage):
+    """torch's PipelineStage. On the first step torch infers the stages' tensor shapes by
+    running one real forward and backward (dynamic metadata inference), then clears the
+    gradients it made. Its backward also records MoE balance-loss terms and expert
+    counts, which belong to no step (and on a later stage come from an uninitialised
+    input: NaN); they go when torch cleans up after the inference."""
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        discard_step(self.submod)
+
+
 def build_schedule(parts: dict[int, nn.Module], layout: Layout, microbatches: int,
                    pp_group: dist.ProcessGroup, device: torch.device):
     """torch's schedule for `layout.schedule` over this rank's stages."""
-    stages = [PipelineStage(part, stage_id, stage_count(layout), device, group=pp_group)
+    stages = [Stage(part, stage_id, stage_count(layout), device, group=pp_group)
               for stage_id, part in sorted(parts.items())]
     schedule_class = SCHEDULES[layout.schedule]
     if issubclass(schedule_class, PipelineScheduleSingle):
