@@ -125,7 +125,7 @@ def open_storage(url: str, heartbeat_s: int | None = None, stale_callback=None) 
     except UsageError:
         raise
     except Exception as e:  # the driver's own words, first line, without the password
-        raise UsageError(f"storage {redact(url)}: cannot open it ({one_line(e, url)})") from None
+        raise UsageError(f"--storage {redact(url)}: cannot open it ({one_line(e, url)})") from None
 
 
 def one_line(error: BaseException, url: str) -> str:

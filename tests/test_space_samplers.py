@@ -16,9 +16,11 @@ def test_shipped_spaces_load():
     assert {"default", "dense", "moe", "long_context", "quick"} <= set(space_names())
     for name in space_names():
         space = load_space(name)
-        assert space.values and space.options.get("max_comm_fraction") == 0.30
-    # quick on 4 GPUs: 12 layouts without PP, 16 with (zero 0/2 or tp 2 with sp 0/1, mbs 1/2, 1f1b or zbv)
-    assert len(valid_layouts(TINY, 4, load_space("quick"))) == 28
+        assert space.values
+        # the CPU demo space tolerates gloo's waits on shared cores; the others prune at 30%
+        assert space.options.get("max_comm_fraction") == (0.90 if name == "quick" else 0.30)
+    # quick on 4 GPUs: 12 layouts without PP, 8 with (zero 0/2 or tp 2 with sp 0/1, mbs 1/2)
+    assert len(valid_layouts(TINY, 4, load_space("quick"))) == 20
 
 
 def test_default_and_long_context_spaces_search_context_parallel():
