@@ -1,5 +1,6 @@
 """report.html in a real browser: headless Chromium loads it offline, draws every chart,
-sorts the ranking on a click, and never runs a script hidden in a model name.
+sorts the ranking on a click, and never runs a script hidden in a model name; the same
+for the report of a small real sweep.
 
 A full-page screenshot is written to the test's tmp folder and, when the environment
 variable AUTOTUNE_SCREENSHOT_DIR names a folder, there too, for people to look at.
@@ -7,8 +8,11 @@ variable AUTOTUNE_SCREENSHOT_DIR names a folder, there too, for people to look a
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pandas
 import pytest
 
 from autotune.report import write_reports
@@ -102,4 +106,34 @@ def test_a_script_in_the_model_name_is_only_text(tmp_path, browser):
     assert page.evaluate("document.querySelector('h1').textContent") == f"autotune: {name} on 16 GPUs"
     assert page.evaluate("document.title") == f"autotune: {name} on 16 GPUs"
     assert not [e for e in browser.events if e.get("method") == "Page.javascriptDialogOpening"]
+    assert page.errors() == []
+
+
+def test_the_report_of_a_real_sweep_loads_draws_and_sorts(tmp_path, browser):
+    """A small real sweep (three measured layouts of tiny on 2 processes) as the user gets
+    it from `autotune run`: the page loads with no console error, its charts draw the
+    measured trials, and the ranking sorts on a click."""
+    out = tmp_path / "sweep"
+    run = subprocess.run([sys.executable, "-m", "autotune.cli", "run", "--model", "tiny", "--gpus", "2",
+                          "--space", "quick", "--sampler", "grid", "--trials", "3", "--steps", "1", "--warmup", "0",
+                          "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    frame = pandas.read_csv(out / "trials.csv")
+    complete = int((frame["status"] == "complete").sum())
+    assert len(frame) == 3 and complete >= 2, frame[["status", "reason", "error"]]
+    page = browser.open((out / "report.html").as_uri())
+    assert page.wait_until("document.querySelectorAll('#chart-throughput .trace .point').length == 3")
+    for chart in ("throughput", "memory", "comm", "predicted", "history"):
+        assert page.evaluate(f"document.querySelectorAll('#chart-{chart} .trace .point').length") > 0, chart
+    values = [float(v) for v in column(page, "tokens_per_s")]
+    assert len(values) == complete and values == sorted(values, reverse=True)
+    click(page, "#ranking th[data-key=tokens_per_s]")
+    assert [float(v) for v in column(page, "tokens_per_s")] == sorted(values)
+    shot = tmp_path / "report-real.png"
+    page.screenshot(shot)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get("AUTOTUNE_SCREENSHOT_DIR"):
+        folder = Path(os.environ["AUTOTUNE_SCREENSHOT_DIR"])
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, folder / "report-real.png")
     assert page.errors() == []
