@@ -13,6 +13,7 @@ dp=1, sp at tp=1, the schedule at pp=1) so that no layout appears twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -56,8 +57,15 @@ class Layout:
         """Micro-batches per optimizer step on each data-parallel rank (= PP micro-batches)."""
         return model.global_batch_size // (self.mbs * self.dp)
 
-    def __str__(self) -> str:
+    @functools.cached_property
+    def text(self) -> str:
+        """Every key in order: the layout's name in studies and trial commands. Made once:
+        samplers and the controller compare the names of every layout of a space on each
+        proposal."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def __str__(self) -> str:
+        return self.text
 
     def short(self) -> str:
         """Only the keys that differ from a single-GPU default, for tables and charts."""
