@@ -1,6 +1,7 @@
 """Predicted vs measured peak memory of the CPU runtime, written to estimator_accuracy.md.
 
     .venv/bin/python benchmarks/estimator_accuracy.py
+    .venv/bin/python benchmarks/estimator_accuracy.py --sweeps DIR [DIR ...]
 
 Runs each layout on real gloo process groups (one group per world size), builds the
 trainer exactly as a trial does (runtime/parallelize.py), trains `WARMUP` steps, then
@@ -18,10 +19,18 @@ tokens dispatched to them, a shared expert), pipeline parallel with every schedu
 alone and with data parallel, tensor parallel and recompute, and PP composed with CP
 and with EP. Extend LAYOUTS as the runtime gains dimensions. Target: median absolute
 error <= 5%, worst <= 15%.
+
+`--sweeps` reads finished sweeps instead (their trials.csv; tiny_sweeps.py makes two)
+and runs nothing: predicted vs measured peak memory over every launched layout with a
+measured peak (on the CPU the trial's profiler peak of live tensors), and the Spearman
+rank correlation of predicted vs measured tokens/s over the complete trials, since the
+model sampler needs the estimator's order more than its figures. It writes its own
+section of RESULTS.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import gc
@@ -43,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from autotune.config import load_hardware, load_model, model_from_dict
 from autotune.estimate import estimate
-from autotune.layout import resolve
+from autotune.layout import INT_KEYS, STR_KEYS, resolve
 
 WARMUP = 2
 OUT = Path(__file__).with_name("estimator_accuracy.md")
@@ -265,5 +274,101 @@ def main() -> int:
     return 0 if statistics.median(errors) <= 0.05 and max(errors) <= 0.15 else 1
 
 
+def spearman(a, b) -> float:
+    """Spearman's rank correlation: Pearson's of the ranks (no scipy)."""
+    return a.rank().corr(b.rank())
+
+
+def sweep_frame(folder: Path):
+    """A sweep's trials.csv with the estimator's figures for each layout added:
+    prior_* uncalibrated (the CPU priors at the sweep's median measured peak FLOP/s),
+    fitted_* calibrated on all the sweep's trials at once."""
+    import optuna
+    import pandas as pd
+
+    from autotune.estimate import calibrate
+
+    storage = f"sqlite:///{folder / 'study.db'}"
+    question = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0],
+                                 storage=storage).user_attrs["question"]
+    cfg = model_from_dict(question["model"])
+    frame = pd.read_csv(folder / "trials.csv")
+    frame.insert(0, "sweep", folder.name)
+    layouts = [resolve(",".join(f"{k}={row[k]}" for k in INT_KEYS + STR_KEYS), cfg, question["gpus"])
+               for _, row in frame.iterrows()]
+    results = [folder / "trials" / str(n) / "result.json" for n in frame["trial"]]
+    records = [json.loads(path.read_text()) if path.exists() else {} for path in results]  # {}: never launched
+    cpu = dataclasses.replace(load_hardware("cpu"), peak_tflops=statistics.median(
+        r["peak_tflops"] for r in records if r.get("peak_tflops")))
+    outcomes = [{**record, "status": row["status"], "reason": row["reason"]}
+                for record, (_, row) in zip(records, frame.iterrows())]
+    fitted = calibrate(list(zip(layouts, outcomes)), cfg, cpu, device="cpu")
+    prior = [estimate(cfg, layout, cpu, device="cpu") for layout in layouts]
+    frame["prior_peak_mem_gb"] = [e.peak_mem_bytes / 2**30 for e in prior]
+    frame["prior_tokens_per_s"] = [e.tokens_per_s for e in prior]
+    frame["fitted_tokens_per_s"] = [estimate(cfg, layout, cpu, calibration=fitted, device="cpu").tokens_per_s
+                                    for layout in layouts]
+    return frame
+
+
+def sweep_accuracy(folders: list[str]) -> int:
+    """--sweeps: the estimator against the trials of finished sweeps.
+
+    Memory as each sweep recorded it (predicted_peak_mem_gb: priced before the trial with
+    the calibration fitted to the trials before it) and uncalibrated. Throughput rankings:
+    as recorded (what the model sampler saw; none for the first trial, before the CPU's
+    peak FLOP/s was measured), uncalibrated, and calibrated on all the sweep's trials."""
+    import pandas as pd
+
+    from results_section import machine, today, write_section
+
+    trials = pd.concat([sweep_frame(Path(folder)) for folder in folders], ignore_index=True)
+    trials = trials.dropna(subset=["peak_mem_gb"])  # launched, with a measured peak
+
+    def errors(frame, column):
+        return frame[column] / frame["peak_mem_gb"] - 1
+
+    def median_worst(error) -> str:
+        return f"{error.abs().median():.2%}, worst {error[error.abs().idxmax()]:+.2%}"
+
+    lines = ["| sweep | launched | memory error as recorded: median abs, worst | uncalibrated | complete | "
+             "Spearman as recorded | uncalibrated | calibrated on all trials |",
+             "|---|---:|---|---|---:|---:|---:|---:|"]
+    for sweep, group in trials.groupby("sweep", sort=False):
+        done = group[group["status"] == "complete"]
+        recorded = done.dropna(subset=["predicted_tokens_per_s"])
+        lines.append(f"| {sweep} | {len(group)} | {median_worst(errors(group, 'predicted_peak_mem_gb'))} | "
+                     f"{median_worst(errors(group, 'prior_peak_mem_gb'))} | {len(done)} | "
+                     f"{spearman(recorded['predicted_tokens_per_s'], recorded['tokens_per_s']):.2f} "
+                     f"(n={len(recorded)}) "
+                     f"| {spearman(done['prior_tokens_per_s'], done['tokens_per_s']):.2f} "
+                     f"| {spearman(done['fitted_tokens_per_s'], done['tokens_per_s']):.2f} |")
+    recorded, prior = errors(trials, "predicted_peak_mem_gb"), errors(trials, "prior_peak_mem_gb")
+    text = f"""## Estimator accuracy on the sweeps (`estimator_accuracy.py --sweeps`)
+
+The estimator against every launched trial of the sweeps {', '.join(f'`{Path(f).name}`' for f in folders)}
+(tiny, `quick` space, CPU; tiny_sweeps.py makes them). Measured peak memory: the trial's
+`peak_mem_gb` (on the CPU the profiler's: live tensors at the start of the measured steps plus
+the highest running sum of its allocation events, max over ranks), over every launched layout
+whether complete or not. Predicted: as the sweep recorded it (`predicted_peak_mem_gb`, priced
+with the calibration fitted to the trials before it) and uncalibrated. Throughput: Spearman rank
+correlation of predicted vs measured tokens/s over the complete trials: as recorded (none for
+the first trial, priced before the CPU's peak FLOP/s was measured), uncalibrated (the CPU priors
+at the sweep's median measured peak FLOP/s), and calibrated on all the sweep's trials at once.
+{today()}, {machine()}.
+
+**{len(trials)} layouts: memory error as recorded median {median_worst(recorded)}; uncalibrated
+median {median_worst(prior)}.**
+
+{chr(10).join(lines)}
+"""
+    print(text)
+    write_section("estimator_accuracy_sweeps", text)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweeps", nargs="+", metavar="DIR", help="read these sweeps' trials.csv; run nothing")
+    args = parser.parse_args()
+    sys.exit(sweep_accuracy(args.sweeps) if args.sweeps else main())
