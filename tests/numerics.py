@@ -1,6 +1,13 @@
 """The correctness oracle: a layout's losses equal one process's, up to float reordering."""
 
 RTOL = 1e-4
+# Adam divides each gradient element by its own running magnitude, so an element whose
+# gradient nearly cancels moves by a visible fraction of lr (1e-3) when the summation
+# order changes (another micro-batch split, a matmul cut by TP): up to 2.4e-5 on one
+# element in 8192 has been seen, with a mean difference of ~2e-9. A wrong shard or a
+# missing reduction moves every element by ~lr; a wrong gradient scale, which Adam
+# hides, is caught by comparing the gradients themselves (step_probe.py).
+PARAM_ATOL = 1e-4
 
 
 def assert_same_losses(reference: list[float], other: list[float], what: str, rtol: float = RTOL) -> None:
@@ -16,3 +23,12 @@ def assert_same_params(reference: dict, other: dict, what: str, atol: float = 1e
         worst = max((abs(a - b) for a, b in zip(reference[name], other[name])), default=0.0)
         assert len(reference[name]) == len(other[name]) and worst <= atol, \
             f"{what}: {name} differs by {worst} (atol {atol})"
+
+
+def assert_same_training(reference: dict, results: list[dict]) -> None:
+    """Each layout's run (spawn_group.run_layouts with params) trained as one process did:
+    at least 3 steps, the same losses, the same trained parameters."""
+    for r in results:
+        assert r["steps"] >= 3
+        assert_same_losses(reference["losses"], r["losses"], r["layout"])
+        assert_same_params(reference["params"], r["params"], r["layout"], atol=PARAM_ATOL)

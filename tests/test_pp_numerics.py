@@ -6,7 +6,7 @@ from every stage and shard."""
 import math
 
 import pytest
-from numerics import assert_same_losses, assert_same_params
+from numerics import assert_same_training
 from spawn_group import run_layouts, run_on_ranks
 from step_probe import MODEL, assert_same_gradients, first_step_gradients, reference_gradients
 
@@ -14,7 +14,6 @@ from autotune.config import load_model
 from autotune.layout import resolve
 
 TINY = load_model("tiny")  # 8 layers, global batch 16
-PARAM_ATOL = 1e-4  # see test_dp_numerics.PARAM_ATOL: Adam on a reordered matmul sum
 MAX_GRAD_NORM = 0.2  # the gradients' norm is about 4 in the first steps, so clipping acts
 
 
@@ -34,12 +33,6 @@ def reference(references):
     return references[0]
 
 
-def check(reference: dict, results: list[dict]) -> None:
-    for r in results:
-        assert r["steps"] >= 3
-        assert_same_losses(reference["losses"], r["losses"], r["layout"])
-        assert_same_params(reference["params"], r["params"], r["layout"], atol=PARAM_ATOL)
-
 
 CLIPPED = [full("pp=2,schedule=1f1b,mbs=4", 2), full("pp=2,schedule=zbv,vpp=2,mbs=4", 2)]
 
@@ -56,9 +49,9 @@ def test_every_schedule_at_pp2_recompute_and_clipping(references):
         "pp=2,schedule=zbv,vpp=2,recompute=full,mbs=4")]
     results = run_layouts(2, layouts + [(layout, {"max_grad_norm": MAX_GRAD_NORM}) for layout in CLIPPED],
                           with_params=True)
-    check(reference, results[:len(layouts)])
+    assert_same_training(reference, results[:len(layouts)])
     assert clipped_reference["losses"][2] != pytest.approx(reference["losses"][2], rel=1e-4)
-    check(clipped_reference, results[len(layouts):])
+    assert_same_training(clipped_reference, results[len(layouts):])
 
 
 def test_clipped_gradients_under_pp2_are_one_process_scaled_by_the_global_norm():
@@ -85,10 +78,10 @@ def test_pp4_and_pp2_with_every_zero_and_tp_and_clipping_of_sharded_gradients(re
     clipped = [full(text, 4) for text in ("pp=2,tp=2,sp=1,mbs=2", "dp=2,tp=2,zero=3,mbs=4")]
     results = run_layouts(4, layouts + [(layout, {"max_grad_norm": MAX_GRAD_NORM}) for layout in clipped],
                           with_params=True)
-    check(reference, results[:len(layouts)])
-    check(clipped_reference, results[len(layouts):])
+    assert_same_training(reference, results[:len(layouts)])
+    assert_same_training(clipped_reference, results[len(layouts):])
 
 
 def test_pp2_x_dp2_x_tp2_zero3_sp_and_hsdp_on_8_processes(reference):
     layouts = [full("pp=2,dp=2,tp=2,zero=3,sp=1,mbs=2", 8), full("pp=2,dp=4,dp_shard=2,zero=3,mbs=2", 8)]
-    check(reference, run_layouts(8, layouts, with_params=True))
+    assert_same_training(reference, run_layouts(8, layouts, with_params=True))
