@@ -17,31 +17,27 @@ import sqlalchemy
 SERVER = os.environ.get("AUTOTUNE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
-def admin():
+def run_on_server(sql: str) -> None:
+    """One statement on the server's admin database, outside a transaction (CREATE and
+    DROP DATABASE cannot run inside one)."""
     connection = psycopg2.connect(SERVER)
     connection.autocommit = True
-    return connection
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql)
+    finally:
+        connection.close()
 
 
 @pytest.fixture
 def postgres_db():
     """(name, URL without a password) of a fresh database; dropped after the test."""
     name = f"autotune_test_{uuid.uuid4().hex[:12]}"
-    connection = admin()
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        connection.close()
+    run_on_server(f'CREATE DATABASE "{name}"')
     try:
         yield name, sqlalchemy.engine.make_url(SERVER).set(database=name).render_as_string(hide_password=False)
     finally:
-        connection = admin()
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            connection.close()
+        run_on_server(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def with_password(url: str, password: str) -> str:
