@@ -1,4 +1,4 @@
-"""`autotune`: the command line (a contract; DESIGN section 4 and the README).
+"""`autotune`: the command line (a contract: README, "Command line").
 
 Bad input exits with code 2 and one line naming the field and the rule; with --json
 stdout holds exactly one JSON document and everything else goes to stderr.
@@ -17,16 +17,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from autotune.config import hardware_for_device_name, hardware_presets, load_hardware, load_model, model_presets
+from autotune.config import GIB, hardware_for_device_name, hardware_presets, load_hardware, load_model, model_presets
 from autotune.errors import UsageError
+from autotune.launch import LAUNCHERS
 from autotune.layout import resolve
+from autotune.record import COMPLETE, DEFAULT_MAX_COMM_FRACTION, METRICS, OBJECTIVES, SAMPLER_NAMES
 from autotune.space import load_space
 from autotune.trialspec import TrialSpec
 
 DEFAULT_TRIAL_TIMEOUT_S = 900.0
-SAMPLERS = ("model", "tpe", "grid", "random")  # autotune.study.SAMPLERS, without importing optuna
-LAUNCHERS = ("local", "torchrun", "slurm")  # autotune.launch.LAUNCHERS, without importing psutil
-OBJECTIVES = ("tokens_per_s", "mfu")
 stderr = Console(stderr=True)
 
 
@@ -141,7 +140,7 @@ def build_parser() -> Parser:
     p.add_argument("--objective", choices=OBJECTIVES, default="tokens_per_s", help="default tokens_per_s")
     p.add_argument("--max-comm-fraction", type=fraction, default=None,
                    help="prune a layout whose exposed communication exceeds this share of the step "
-                        "(default: the space's option, else 0.30)")
+                        f"(default: the space's option, else {DEFAULT_MAX_COMM_FRACTION:.2f})")
     p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="peak TFLOP/s per device for MFU (default: hardware preset, or measured on CPU)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
@@ -151,7 +150,7 @@ def build_parser() -> Parser:
     p.add_argument("--trial-timeout", type=positive_float, default=None, metavar="S",
                    help="wall-clock limit of each trial (default: 5x its predicted run time, at least "
                         "180 s on CPU and 600 s on CUDA)")
-    p.add_argument("--sampler", choices=SAMPLERS, default="model", help="default model (estimator-guided)")
+    p.add_argument("--sampler", choices=SAMPLER_NAMES, default="model", help="default model (estimator-guided)")
     add_trial_options(p)
     p.set_defaults(func=cmd_run, steps=None, warmup=None)
 
@@ -204,7 +203,8 @@ def default_hardware(device: str) -> str:
 
 def cmd_run(args) -> int:
     from autotune.launch import Launcher
-    from autotune.study import Question, run_sweep  # optuna and friends: only for commands that need them
+    from autotune.record import Question
+    from autotune.study import run_sweep  # optuna and friends: only for commands that need them
 
     model = load_model(args.model)
     space = load_space(args.space)
@@ -222,7 +222,7 @@ def cmd_run(args) -> int:
         model=dataclasses.asdict(model), gpus=args.gpus, space=dataclasses.asdict(space),
         hardware=dataclasses.asdict(hardware), objective=args.objective, sampler=args.sampler,
         max_comm_fraction=args.max_comm_fraction if args.max_comm_fraction is not None
-        else options.get("max_comm_fraction", 0.30),
+        else options.get("max_comm_fraction", DEFAULT_MAX_COMM_FRACTION),
         memory_budget_gb=args.memory_budget_gb or (hardware.memory_gb or None),
         device=args.device, steps=args.steps or options.get("steps", 5),
         warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
@@ -242,7 +242,7 @@ def cmd_worker(args) -> int:
 
 
 def cmd_trial(args) -> int:
-    from autotune.launch import Launcher, run_trial  # imports psutil; `models` should not need to
+    from autotune.launch import Launcher, run_trial
 
     model = load_model(args.model)
     layout = resolve(args.layout, model, args.gpus, args.gpus_per_node)
@@ -261,18 +261,18 @@ def cmd_trial(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_trial(result)
-    return 0 if result["status"] == "complete" else 1
+    return 0 if result["status"] == COMPLETE else 1
 
 
-TRIAL_FIGURES = ("layout", "world_size", "grad_accum", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
-                 "mfu", "peak_tflops", "peak_tflops_source", "peak_mem_bytes", "memory_budget_bytes",
-                 "comm_fraction", "comm_fraction_mean", "exposed_comm_fraction", "exposed_comm_fraction_mean")
+# What `autotune trial` prints: the metrics with what they are measured against.
+TRIAL_FIGURES = ("layout", "world_size", "grad_accum") + METRICS + (
+    "peak_tflops", "peak_tflops_source", "memory_budget_bytes", "comm_fraction_mean", "exposed_comm_fraction_mean")
 
 
 def print_trial(result: dict) -> None:
     """The figures of a measured trial (a trial pruned over its memory budget has them too)."""
     console = Console()
-    if result["status"] != "complete":
+    if result["status"] != COMPLETE:
         console.print(f"[bold red]{result['status']}/{result['reason']}[/]: {result.get('error', '')}")
         if result.get("stderr_tail"):
             console.print(result["stderr_tail"], markup=False, highlight=False)
@@ -282,7 +282,7 @@ def print_trial(result: dict) -> None:
     for key in TRIAL_FIGURES:
         value = result.get(key)
         if key.endswith("_bytes") and value is not None:
-            value = f"{value / 2**30:,.4g} GiB"
+            value = f"{value / GIB:,.4g} GiB"
         table.add_row(key, f"{value:,.4g}" if isinstance(value, float) else str(value))
     table.add_row("losses", " ".join(f"{x:.4f}" for x in result["losses"]))
     for trace in result.get("trace_files", []):
@@ -314,14 +314,15 @@ def cmd_models(args) -> int:
 
 def cmd_report(args) -> int:
     """Reads the study and writes files: runs nothing, so it works during or after a sweep."""
-    from autotune.report import load_study, write_reports
+    from autotune.report import write_reports
+    from autotune.storage import load_study
 
     out = Path(args.dir)
     if args.storage is None and not out.is_dir():
         raise UsageError(f"DIR {out}: no such folder")
     study = load_study(out, args.storage, args.study_name)
     frame = write_reports(study, out)
-    written = ["trials.csv", "report.html"] + (["best/"] if (frame["status"] == "complete").any() else [])
+    written = ["trials.csv", "report.html"] + (["best/"] if (frame["status"] == COMPLETE).any() else [])
     print(f"{study.study_name}: {len(frame)} trials -> " + ", ".join(str(out / name) for name in written),
           file=sys.stderr)
     return 0
@@ -354,7 +355,7 @@ def add_estimate_parser(sub) -> None:
 
 
 def cmd_estimate(args) -> int:
-    from autotune.estimate import budget_bytes, estimate, rank_estimates, valid_layouts
+    from autotune.estimate import budget_bytes, estimate, every_layout, rank_estimates
 
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
@@ -370,7 +371,7 @@ def cmd_estimate(args) -> int:
         else:
             print_estimate(result, model.name, hardware.name)
         return 0
-    layouts = valid_layouts(model, args.gpus, hardware.gpus_per_node)
+    layouts = every_layout(model, args.gpus, hardware.gpus_per_node)
     if not layouts:
         raise UsageError(f"gpus: no valid layout of {model.name} on {args.gpus} GPUs "
                          f"({hardware.gpus_per_node} per node)")
@@ -384,7 +385,7 @@ def cmd_estimate(args) -> int:
 
 
 def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} B"

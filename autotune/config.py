@@ -12,13 +12,14 @@ import dataclasses
 import json
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from autotune.errors import UsageError
 
+GIB = 2**30  # memory_gb, budgets and every reported GiB figure
 PRESET_DIR = Path(__file__).parent / "models"
 HARDWARE_DIR = Path(__file__).parent / "hardware"
 DTYPES = ("bf16", "fp32")
@@ -317,7 +318,8 @@ def _read_mapping(path: Path) -> dict:
         line = mark.line + 1 if mark else getattr(e, "lineno", None)
         problem = getattr(e, "problem", None) or getattr(e, "msg", "")
         where = f" at line {line}" if line else ""
-        raise UsageError(f"{path}: malformed {'JSON' if path.suffix == '.json' else 'YAML'}{where}: {problem}") from None
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise UsageError(f"{path}: malformed {kind}{where}: {problem}") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: must hold a mapping of fields, got {type(data).__name__}")
     return data
@@ -341,7 +343,8 @@ def _build(cls, data: dict, prefix: str = ""):
 
 
 def _check_type(name: str, value, hint):
-    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    allowed = typing.get_args(hint) if union else (hint,)
     for t in allowed:
         if t is type(None) and value is None:
             return value

@@ -8,7 +8,7 @@ It models what our runtime does, not a generic framework: estimate_memory.py say
 which runtime behaviour each memory term mirrors, estimate_time.py the FLOP and
 communication accounting and its overlap assumptions. This module assembles them,
 fits them to measured trials (`calibrate`) and lists every layout of a space
-(`valid_layouts`) for pricing and ranking (`rank_estimates`).
+(`every_layout`) for pricing and ranking (`rank_estimates`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from autotune.config import HardwareConfig, ModelConfig
+from autotune.config import GIB, HardwareConfig, ModelConfig
 from autotune.errors import UsageError
 from autotune.estimate_memory import DEVICES, TERMS, model_figures, pipeline_shapes, rank_terms
 from autotune.estimate_time import Links, step_time
 from autotune.layout import Layout, enumerate_layouts
-
-GIB = 1024**3
+from autotune.schedules import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -230,12 +229,14 @@ def reasonable_space(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[
             "dp_shard": ["dp"] + ([gpus_per_node] if gpus_per_node < gpus else []),
             "zero": [0, 1, 2, 3], "mbs": [1, 2, 4], "recompute": ["none", "selective", "full"], "sp": [0, 1]}
     pipelined = [p for p in base["pp"] if p > 1]
-    return [{**base, "schedule": ["1f1b", "gpipe"], "vpp": [1]},
-            {**base, "pp": pipelined, "schedule": ["interleaved_1f1b", "zero_bubble"], "vpp": [2, 4]},
-            {**base, "pp": pipelined, "schedule": ["zbv", "dualpipev"], "vpp": [2]}]
+    by_vpp: dict[tuple[int, ...], list[str]] = {}
+    for schedule in SCHEDULES.values():
+        by_vpp.setdefault(schedule.vpp_choices, []).append(schedule.name)
+    return [{**base, "schedule": names, "vpp": list(vpps)} if vpps == (1,) else
+            {**base, "pp": pipelined, "schedule": names, "vpp": list(vpps)} for vpps, names in by_vpp.items()]
 
 
-def valid_layouts(model: ModelConfig, gpus: int, gpus_per_node: int, spaces: list[dict] | None = None) -> list[Layout]:
+def every_layout(model: ModelConfig, gpus: int, gpus_per_node: int, spaces: list[dict] | None = None) -> list[Layout]:
     """Every valid layout of the spaces (default: `reasonable_space`), each once."""
     layouts: dict[Layout, None] = {}
     for space in spaces or reasonable_space(model, gpus, gpus_per_node):

@@ -37,7 +37,8 @@ from typing import NamedTuple
 
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
-from autotune.layout import V_SCHEDULES, Layout
+from autotune.layout import Layout
+from autotune.schedules import SCHEDULES
 from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
 
 DEVICES = ("cpu", "cuda")
@@ -233,11 +234,11 @@ def pipeline_shapes(model: ModelConfig, layout: Layout) -> tuple["RankShape", ..
     the schedule's counts are highest.
 
     Between the ends the split (stage_split.py) leaves a rank one of two layer counts.
-    The micro-batches in flight fall from the first rank to the last under 1f1b and
-    interleaved_1f1b (and stay under gpipe); under the split backwards the postponed
+    The micro-batches in flight fall from the first rank to the last, or stay where
+    every micro-batch is in flight at once; under the split backwards the postponed
     weight steps rise with the rank while the micro-batches in flight stay or rise
     (peak_points). So among ranks with equal layers the first is the worst, or the
-    last (up to the few sends a runtime schedule holds more on a rank with fewer
+    last (up to the few sends a lowered schedule holds more on a rank with fewer
     micro-batches in flight). A middle rank can beat the first: it may hold a layer
     more while holding one micro-batch fewer."""
     fig = model_figures(model)
@@ -247,7 +248,7 @@ def pipeline_shapes(model: ModelConfig, layout: Layout) -> tuple["RankShape", ..
         spans = stage_layers(model, stage_count(layout))
         layers = [sum(len(spans[s]) for s in rank_stage_ids(layout, r)) for r in range(layout.pp)]
         middle = range(1, layout.pp - 1)
-        if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        if SCHEDULES[layout.schedule].split_backward:
             middle = reversed(middle)
         chosen = {}
         for r in middle:
@@ -289,7 +290,7 @@ class RankShape(NamedTuple):
 
 def rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     fig = model_figures(model)
-    key = (layout.pp, stage_chunks(layout), layout.schedule in V_SCHEDULES, layout.tp, layout.sp, layout.ep, rank)
+    key = (layout.pp, stage_chunks(layout), SCHEDULES[layout.schedule].v_shape, layout.tp, layout.sp, layout.ep, rank)
     shape = fig.shapes.get(key)
     if shape is None:
         shape = fig.shapes[key] = _rank_shape(model, layout, rank)
@@ -315,7 +316,8 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     if dense_layers:
         dense_tensors.append(h * model.ffn_hidden_size / tp)
     if moe_layers:  # the router, the shared experts
-        dense_tensors.append(h * max(model.moe.num_experts, model.moe.num_shared_experts * model.moe.expert_ffn_hidden_size))
+        moe = model.moe
+        dense_tensors.append(h * max(moe.num_experts, moe.num_shared_experts * moe.expert_ffn_hidden_size))
     return RankShape(
         rank=rank, layers=layers, moe_layers=moe_layers, first=first, last=last,
         dense_params=dense_layers * dense_block + moe_layers * moe_block + root,
@@ -367,60 +369,19 @@ def moe_layer_bytes(model: ModelConfig, layout: Layout) -> float:
 # -- pipeline schedules ---------------------------------------------------------------------------
 
 def chunks_in_flight(layout: Layout, microbatches: int, rank: int) -> int:
-    """Most (stage, micro-batch) forward results a pipeline rank holds at once.
-
-    Counted from torch.distributed.pipelining's action lists (a forward adds one, the
-    backward that frees it, for split backwards the weight step, removes it):
-      gpipe            m                        (all forwards, then all backwards)
-      1f1b             min(pp - rank, m)
-      interleaved_1f1b min((v-1)*r + 2*(pp-1-rank) + 1, m*v),  r = m // max(1, m // pp)
-      zero_bubble      min((v-1)*r + pp, m*v)   (weight steps lag: equal on every rank)
-      zbv              min(2*pp, m + 1 + rank, 2*m)
-      dualpipev        2*pp + 1                 (torch needs m >= 2*pp)
-    """
-    pp, m, v, schedule = layout.pp, microbatches, stage_chunks(layout), layout.schedule
-    if pp == 1:
+    """Most (stage, micro-batch) forward results a pipeline rank holds at once
+    (autotune/schedules.py: each schedule's count from torch's action lists)."""
+    if layout.pp == 1:
         return 1
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(pp - rank, m)
-    per_round = m // max(1, m // pp)
-    if schedule == "interleaved_1f1b":
-        return min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, m * v)
-    if schedule == "zero_bubble":
-        return min((v - 1) * per_round + pp, m * v)
-    if schedule == "zbv":
-        return min(2 * pp, m + 1 + rank, 2 * m)
-    return min(2 * pp + 1, 2 * m)  # dualpipev
-
-
-# Schedules that torch runs on its lowered-schedule runtime (_PipelineScheduleRuntime),
-# which waits for its sends only when the step ends, and those that split the backward
-# into an input step and a later weight step.
-RUNTIME_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
+    return SCHEDULES[layout.schedule].in_flight(layout.pp, microbatches, stage_chunks(layout), rank)
 
 
 def peak_points(layout: Layout, microbatches: int, rank: int) -> list[tuple[int, int]]:
     """(chunks in flight, postponed weight steps) at the moments where a pipeline rank can
-    peak: the Pareto front of the two counts over the rank's action list in torch's
-    schedules. A postponed weight step is a (stage, micro-batch), not of the first stage,
-    whose input step ran and weight step has not (split backwards only):
-      zero_bubble  (in flight, min(rank + 1, m*v))      each rank defers its weights by its rank
-      zbv          (in flight, 1), and (pp + rank, 2*rank + 1) for rank >= 1 when m >= 2*pp - 1
-      dualpipev    (2*pp + 1, 0), (2*pp, 1) and (pp, rank + 1) for rank >= 1
-      others       (in flight, 0)
-    (zbv with pp < m < 2*pp - 1 also passes (2, 2) or (3, 3), never the heavier moment.)"""
-    pp, m = layout.pp, microbatches
-    chunks = chunks_in_flight(layout, m, rank)
-    if pp == 1 or layout.schedule not in SPLIT_BACKWARD_SCHEDULES:
-        return [(chunks, 0)]
-    if layout.schedule == "zero_bubble":
-        return [(chunks, min(rank + 1, m * stage_chunks(layout)))]
-    if layout.schedule == "zbv":
-        return [(chunks, 1)] + ([(pp + rank, 2 * rank + 1)] if m >= 2 * pp - 1 and rank else [])
-    return [(2 * pp + 1, 0), (2 * pp, 1)] + ([(pp, rank + 1)] if rank else [])  # dualpipev
+    peak (autotune/schedules.py); without PP, one micro-batch and nothing postponed."""
+    if layout.pp == 1:
+        return [(1, 0)]
+    return SCHEDULES[layout.schedule].peak_points(layout.pp, microbatches, stage_chunks(layout), rank)
 
 
 def reshards_after_forward(layout: Layout) -> bool:
@@ -514,7 +475,7 @@ def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape:
     as a function of (chunks in flight, postponed weight steps).
 
     Outputs: a stage keeps its output (which nothing on the stage saves) until the
-    micro-batch's backward. torch's runtime schedules also keep every tensor they send,
+    micro-batch's backward. torch's lowered schedules also keep every tensor they send,
     activations forward and gradients backward, until the step ends; by the rank's last
     peak it has sent all of a step's micro-batches but the backwards of those still in
     flight: m * (stages sending across + stages fed across) - chunks * (fed across) / v.
@@ -523,7 +484,7 @@ def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape:
     the output gradients of the stage's weighted ops (weight_output_grads)."""
     m, v = layout.grad_accum(model), stage_chunks(layout)
     boundary = boundary_bytes(model, layout, prec)
-    if layout.schedule in RUNTIME_SCHEDULES:
+    if SCHEDULES[layout.schedule].lowered:
         held, per_chunk = m * (shape.sending_across + shape.receiving_across), -shape.receiving_across / v
     else:
         held, per_chunk = 0.0, shape.sending_across / v
@@ -634,8 +595,9 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
             # V schedules run the last stage's backward right after its forward. Under a
             # split backward the others have had their input step, which frees the logits
             # and the log_softmax output and keeps the head's output gradient instead.
-            waiting = 0 if layout.schedule in V_SCHEDULES else max(1, chunks // v) - 1
-            split = layout.schedule in SPLIT_BACKWARD_SCHEDULES
+            schedule = SCHEDULES[layout.schedule]
+            waiting = 0 if schedule.v_shape else max(1, chunks // v) - 1
+            split = schedule.split_backward
             saved = waiting * (final_norm + vocab * (c if split else 4 + c))
             keep("layer_backward", layer_grads, stored + recomputed + swiglu + saved, vocab * c)
             keep("loss_backward", grads, stored + final_norm + saved, vocab * (4 + c + 8))

@@ -20,46 +20,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from autotune.config import HardwareConfig, ModelConfig
-from autotune.estimate_memory import (RankShape, model_figures, precision, reshards_after_forward,
-                                      stage_chunks)
+from autotune.estimate_memory import RankShape, model_figures, precision, reshards_after_forward, stage_chunks
 from autotune.layout import Layout
-
+from autotune.mesh_layout import Group, ParallelDims
+from autotune.schedules import SCHEDULES
 
 # -- links ------------------------------------------------------------------------------------
-
-class Group(NamedTuple):
-    """A communicator: its size and the mesh stride between its members.
-
-    The mesh is pp, dp_replicate, dp_shard, cp, tp with tp innermost, so a tp group is
-    neighbouring ranks and a pp group's members are dp*cp*tp apart."""
-
-    size: int
-    stride: int
-
-    def inside_node(self, gpus_per_node: int) -> bool:
-        span = self.size * self.stride
-        return span <= gpus_per_node and gpus_per_node % span == 0
-
-    def members_per_node(self, gpus_per_node: int) -> int:
-        if self.inside_node(gpus_per_node):
-            return self.size
-        return max(1, gpus_per_node // self.stride) if gpus_per_node % self.stride == 0 else 1
-
-
-def mesh_groups(layout: Layout) -> dict[str, Group]:
-    tp, cp, ds, dp, ep = layout.tp, layout.cp, layout.dp_shard, layout.dp, layout.ep
-    return {
-        "tp": Group(tp, 1),
-        "cp": Group(cp, tp),
-        "ep": Group(ep, tp),  # carved from the inner end of dp_shard x cp
-        "dp_shard_cp": Group(ds * cp, tp),  # FSDP sharding of dense parameters
-        "expert_shard": Group(max(1, ds * cp // ep), tp * ep),  # FSDP sharding of experts
-        "dp_replicate": Group(layout.dp_replicate, ds * cp * tp),
-        "dp_cp": Group(dp * cp, tp),  # gradient all-reduce of dense parameters (zero 0)
-        "expert_dp": Group(max(1, dp * cp // ep), tp * ep),  # ... and of experts
-        "pp": Group(layout.pp, dp * cp * tp),
-    }
-
 
 class Links(NamedTuple):
     """Transfer times on `hardware`, scaled by the achieved fraction of link bandwidth
@@ -114,22 +80,14 @@ class Links(NamedTuple):
 
 def bubble_time(layout: Layout, forward: float, backward_input: float, backward_weight: float) -> float:
     """Idle time of a pipeline rank per step, from one chunk's (a stage divided by vpp)
-    forward F, input-gradient B (recompute included) and weight-gradient W times:
-
-      gpipe, 1f1b, interleaved_1f1b  (pp-1)(F+B+W)  -> fraction (pp-1)/(v*m+pp-1)
-      zero_bubble (ZB-H1)            (pp-1)(F+B-W)
-      zbv (ZB-V)                     (pp-1)(F+B-2W)
-      dualpipev                      (pp-1)(F&B+B_full-3W) = (pp-1)(F+2B-W)
-
-    (DualPipe's F&B overlaps a forward with a backward to hide communication, not
-    compute, so it costs F+B_full.) Zero-bubble schedules reach zero only when B = W;
+    forward F, input-gradient B (recompute included) and weight-gradient W times: pp - 1
+    times the schedule's bubble per hop (autotune/schedules.py), so (p-1)/(v*m+p-1) of
+    the step without split backwards. Zero-bubble schedules reach zero only when B = W;
     the attention core's backward and recompute make B the larger.
     """
     if layout.pp == 1:
         return 0.0
-    f, b, w = forward, backward_input, backward_weight
-    per_hop = {"gpipe": f + b + w, "1f1b": f + b + w, "interleaved_1f1b": f + b + w,
-               "zero_bubble": f + b - w, "zbv": f + b - 2 * w, "dualpipev": f + 2 * b - w}[layout.schedule]
+    per_hop = SCHEDULES[layout.schedule].bubble(forward, backward_input, backward_weight)
     return (layout.pp - 1) * max(per_hop, 0.0)
 
 
@@ -254,7 +212,7 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     """`shapes`: what the pipeline ranks that can be the slowest hold (the first, the last)."""
     prec = precision(model, device)
     m, v = layout.grad_accum(model), stage_chunks(layout)
-    groups = mesh_groups(layout)
+    groups = ParallelDims.from_layout(layout).groups()
     # The slowest rank's micro-batch does not depend on data parallel: layouts that differ
     # only in dp, dp_shard or zero share it.
     memo = model_figures(model).peaks
@@ -273,9 +231,9 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     # reduce-scatters over the shard group and all-reduces the shard over replicas (HSDP).
     params = max(shapes, key=lambda s: s.dense_params + s.expert_params)
     grads, expert_grads = prec.grad * params.dense_params, prec.grad * params.expert_params
-    shard, expert_shard, replicas = groups["dp_shard_cp"], groups["expert_shard"], groups["dp_replicate"]
+    shard, expert_shard, replicas = groups["dp_shard_cp"], groups["edp_shard"], groups["dp_replicate"]
     if layout.zero == 0:
-        reduce = links.all_reduce(grads, groups["dp_cp"]) + links.all_reduce(expert_grads, groups["expert_dp"])
+        reduce = links.all_reduce(grads, groups["dp_cp"]) + links.all_reduce(expert_grads, groups["edp"])
     else:
         reduce = (links.gather_or_scatter(grads, shard) + links.all_reduce(grads / shard.size, replicas)
                   + links.gather_or_scatter(expert_grads, expert_shard)

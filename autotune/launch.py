@@ -18,7 +18,7 @@ agent per node, joined by c10d rendezvous under an id unique to the trial:
               cancelled (`scancel JOB.STEP`, found by its name) and srun killed, and the
               step carries its own `--time` limit as a backstop
 
-Outcome, in the vocabulary of the design (section 3):
+Outcome, in the vocabulary of autotune/record.py:
 
     rank 0 printed a result                       -> the result (complete, or pruned/oom over budget)
     any rank raised an out-of-memory error        -> pruned / oom        (never a crash)
@@ -48,9 +48,11 @@ from pathlib import Path
 import psutil
 
 from autotune.errors import UsageError
-from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec
+from autotune.record import CRASH, ERROR, FAILED, OOM, PRUNED, TIMEOUT
+from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, die_with_parent
 
 TAIL_LINES = 30
+KILL_WAIT_S = 10.0  # how long kill_tree waits for the killed processes to be gone
 LAUNCHERS = ("local", "torchrun", "slurm")
 # When one node's agent has failed, the others get this long to notice before they are killed
 # (they would otherwise wait out the rendezvous or a collective's own timeout).
@@ -90,7 +92,7 @@ def run_trial(spec: TrialSpec, nprocs: int, timeout_s: float, log_dir: Path | No
     start = time.monotonic()
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(torchrun_command(spec, nprocs), stdout=out, stderr=err, env=trial_env(spec),
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
         timed_out = False
         try:
             proc.wait(timeout=timeout_s)
@@ -122,19 +124,19 @@ def classify(stdout: str, stderr: str, returncode: int, timed_out: bool, timeout
     oom = [e for e in errors if e.get("oom")]
     if oom:
         first = min(oom, key=lambda e: e["time"])
-        return _failure("pruned", "oom", f"rank {first['rank']}: {first['type']}: {first['message']}", tail)
+        return _failure(PRUNED, OOM, f"rank {first['rank']}: {first['type']}: {first['message']}", tail)
     if timed_out:
-        return _failure("failed", "timeout", f"no result after {timeout_s:.0f} s; every process was killed", tail)
+        return _failure(FAILED, TIMEOUT, f"no result after {timeout_s:.0f} s; every process was killed", tail)
     reported = {e["rank"] for e in errors}
     for rank, code in _failed_ranks(stderr):
         if rank not in reported:  # died without a Python error: a signal or an explicit exit
             how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
                 else f"exit code {code}"
-            return _failure("failed", "crash", f"rank {rank} died ({how})", tail)
+            return _failure(FAILED, CRASH, f"rank {rank} died ({how})", tail)
     if errors:
         first = min(errors, key=lambda e: e["time"])
-        return _failure("failed", "error", f"rank {first['rank']}: {first['type']}: {first['message']}", tail)
-    return _failure("failed", "crash", f"the trial exited with code {returncode} and no result", tail)
+        return _failure(FAILED, ERROR, f"rank {first['rank']}: {first['type']}: {first['message']}", tail)
+    return _failure(FAILED, CRASH, f"the trial exited with code {returncode} and no result", tail)
 
 
 def kill_tree(pid: int) -> None:
@@ -150,7 +152,7 @@ def kill_tree(pid: int) -> None:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=10)
+    psutil.wait_procs(procs, timeout=KILL_WAIT_S)
 
 
 def _failed_ranks(stderr: str) -> list[tuple[int, int]]:
@@ -168,14 +170,6 @@ def _failure(status: str, reason: str, error: str, tail: str) -> dict:
 def _tail(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith(ERROR_MARKER)]
     return "\n".join(lines[-TAIL_LINES:])
-
-
-def _die_with_parent() -> None:
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 # -- trials across nodes: torchrun agents joined by c10d rendezvous, or one srun step ----------
@@ -294,7 +288,7 @@ def run_agents(spec: TrialSpec, nprocs: int, timeout_s: float, log_dir: Path, la
             out, err = (open(log_dir / f"{agent.name}.{stream}.log", "w") for stream in ("stdout", "stderr"))
             logs += [out, err]
             procs.append(subprocess.Popen(agent.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True, preexec_fn=_die_with_parent))
+                                          start_new_session=True, preexec_fn=die_with_parent))
         timed_out = wait_all(procs, timeout_s)
     finally:  # a timeout, a failed peer's grace, Ctrl-C or our own failure: leave nothing running
         if any(p.poll() is None for p in procs):

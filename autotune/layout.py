@@ -3,8 +3,8 @@
     world size = pp * dp * cp * tp          (dp = dp_replicate * dp_shard)
     global batch = mbs * grad_accum * dp
 
-`Layout` is plain data; `resolve` fills in derived degrees and checks every rule of
-the design (section 5), each failure naming the key, the rule and the numbers, so a
+`Layout` is plain data; `resolve` fills in derived degrees and checks every rule
+(README, "Layouts"), each failure naming the key, the rule and the numbers, so a
 user can fix a layout by reading one line. `enumerate_layouts` lists every valid
 layout of a search space, with keys that make no difference folded away (zero at
 dp=1, sp at tp=1, the schedule at pp=1) so that no layout appears twice.
@@ -19,11 +19,8 @@ from dataclasses import dataclass
 
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
+from autotune.schedules import DEFAULT_SCHEDULE, SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-# Schedules that run several stages per rank, and how many they need.
-LOOPED_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
-V_SCHEDULES = ("zbv", "dualpipev")  # exactly two stages per rank, in a V
 RECOMPUTE = ("none", "selective", "full")
 ZERO = (0, 1, 2, 3)
 INT_KEYS = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "vpp", "sp")
@@ -40,7 +37,7 @@ class Layout:
     dp_shard: int = 1  # ranks that shard parameters (zero >= 1); dp // dp_shard replicate (HSDP)
     zero: int = 0
     mbs: int = 1
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     vpp: int = 1
     recompute: str = "none"
     sp: int = 0
@@ -88,7 +85,7 @@ class Layout:
         """The same layout with keys that change nothing at these degrees reset."""
         changes = {}
         if self.pp == 1:
-            changes.update(schedule="1f1b", vpp=1)
+            changes.update(schedule=DEFAULT_SCHEDULE, vpp=1)
         if self.dp == 1:
             changes.update(zero=0, dp_shard=1)
         elif self.pp > 1 and self.zero == 3:
@@ -98,8 +95,13 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
 
+# Every layout key, in the order of Layout's fields: the CSV's layout columns.
+KEYS = tuple(f.name for f in dataclasses.fields(Layout))
+assert set(KEYS) == set(INT_KEYS + STR_KEYS)
+
+
 def parse_layout(text: str) -> dict:
-    """'tp=2,pp=2,schedule=1f1b' -> {'tp': 2, 'pp': 2, 'schedule': '1f1b'} (keys checked)."""
+    """'tp=2,pp=2,mbs=4' -> {'tp': 2, 'pp': 2, 'mbs': 4} (keys checked)."""
     given: dict = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -166,6 +168,7 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
         raise UsageError(f"layout.recompute: must be one of {', '.join(RECOMPUTE)}, got {L.recompute!r}")
     if L.schedule not in SCHEDULES:
         raise UsageError(f"layout.schedule: must be one of {', '.join(SCHEDULES)}, got {L.schedule!r}")
+    schedule = SCHEDULES[L.schedule]
     # Tensor parallel: heads, kv heads, the MLP and the vocabulary split evenly; one node.
     for name, size in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
                        ("ffn_hidden_size", m.ffn_hidden_size), ("vocab_size", m.vocab_size)):
@@ -190,12 +193,8 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
                          f"must be at least pp*vpp ({stages})")
     if L.pp == 1 and L.vpp > 1:
         raise UsageError("layout.vpp: virtual stages need pp > 1")
-    if L.pp > 1:
-        if L.schedule in V_SCHEDULES and L.vpp != 2:
-            raise UsageError(f"layout.vpp: schedule {L.schedule} runs two stages per rank, so vpp must be 2")
-        if L.schedule in ("gpipe", "1f1b") and L.vpp != 1:
-            raise UsageError(f"layout.vpp: schedule {L.schedule} runs one stage per rank, so vpp must be 1 "
-                             f"(use interleaved_1f1b or zero_bubble for vpp > 1)")
+    if L.pp > 1 and (problem := schedule.vpp_error(L.vpp)):
+        raise UsageError(f"layout.vpp: schedule {L.schedule} {problem}")
     # Expert parallel: experts split evenly over EP ranks carved from dp_shard x cp.
     if L.ep > 1:
         if m.moe is None:
@@ -213,22 +212,13 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
 
 
 def check_microbatches(L: Layout, m: ModelConfig) -> None:
-    """What torch's schedules (torch.distributed.pipelining, 2.13) ask of the micro-batch
-    count, grad_accum = global_batch_size / (mbs*dp): 1F1B at least one per stage;
-    DualPipeV at least one per stage, 2*pp of them; the interleaved schedules a whole
-    number of rounds of pp (a multiple of max(1, grad_accum // pp)). GPipe and ZBV take any."""
+    """What torch's schedule asks of the micro-batch count, grad_accum =
+    global_batch_size / (mbs*dp) (autotune/schedules.py holds each schedule's rule)."""
     count = L.grad_accum(m)
-    where = f"grad_accum = global_batch_size / (mbs*dp) = {m.global_batch_size} / ({L.mbs}*{L.dp}) = {count}"
-    if L.schedule == "1f1b" and count < L.pp:
-        raise UsageError(f"layout.mbs: schedule 1f1b needs at least pp ({L.pp}) micro-batches per step, "
-                         f"got {where}")
-    if L.schedule == "dualpipev" and count < 2 * L.pp:
-        raise UsageError(f"layout.mbs: schedule dualpipev needs at least 2*pp ({2 * L.pp}) micro-batches "
-                         f"per step (one per stage), got {where}")
-    rounds = max(1, count // L.pp)
-    if L.schedule in LOOPED_SCHEDULES and count % rounds:
-        raise UsageError(f"layout.mbs: schedule {L.schedule} runs micro-batches in rounds of pp, so "
-                         f"grad_accum must be a multiple of max(1, grad_accum // pp) = {rounds}, got {where}")
+    problem = SCHEDULES[L.schedule].microbatch_rule(L.pp, count)
+    if problem:
+        where = f"grad_accum = global_batch_size / (mbs*dp) = {m.global_batch_size} / ({L.mbs}*{L.dp}) = {count}"
+        raise UsageError(f"layout.mbs: schedule {L.schedule} {problem}, got {where}")
 
 
 def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node: int | None = None

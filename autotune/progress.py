@@ -15,6 +15,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from autotune.record import COMPLETE
+
 
 def duration(seconds: float) -> str:
     seconds = int(seconds)
@@ -88,7 +90,7 @@ class Progress:
 
 def summary_table(frame: pd.DataFrame, objective: str, top: int = 10) -> Table:
     """The best complete layouts, then a count of the rest by outcome."""
-    done = frame[frame["status"] == "complete"].sort_values(objective, ascending=False).head(top)
+    done = frame[frame["status"] == COMPLETE].sort_values(objective, ascending=False).head(top)
     table = Table(title=f"top layouts by {objective}")
     for col in ("trial", "layout", "tokens/s", "MFU", "peak GiB", "exposed comm"):
         table.add_column(col, justify="left" if col == "layout" else "right")

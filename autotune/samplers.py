@@ -21,11 +21,11 @@ import random
 import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.samplers import BaseSampler, TPESampler
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
-from autotune.layout import INT_KEYS, STR_KEYS, Layout
+from autotune.layout import KEYS, Layout
+from autotune.record import holds_layout
 
-KEYS = INT_KEYS + STR_KEYS
 TPE_ATTEMPTS = 16
 
 
@@ -37,21 +37,6 @@ def key_distributions(layouts: list[Layout]) -> dict[str, CategoricalDistributio
         if len(values) > 1:
             out[key] = CategoricalDistribution(values)
     return out
-
-
-def holds_layout(t: FrozenTrial) -> bool:
-    """Whether this trial has its layout: measured, pruned, failed on, running, or queued
-    to run again (WAITING: the retry of a trial whose worker died).
-
-    A trial that ended without an outcome of its own gave its layout back, to be
-    measured again: its controller was interrupted (reason "interrupted"), or it died
-    and was failed by the heartbeat or at resume (state FAIL with no status).
-    """
-    if "layout" not in t.user_attrs or t.user_attrs.get("reason") == "interrupted":
-        return False
-    if t.state == TrialState.FAIL:
-        return "status" in t.user_attrs
-    return True
 
 
 def taken_layouts(study: optuna.Study) -> set[str]:

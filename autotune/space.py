@@ -72,7 +72,7 @@ def space_from_dict(data, name: str) -> Space:
         raise UsageError(f"space.{sorted(unknown)[0]}: unknown section (known: description, layout, options)")
     layout = data.get("layout") or {}
     if not isinstance(layout, dict) or not layout:
-        raise UsageError(f"space.layout: must be a mapping of layout keys to lists of values")
+        raise UsageError("space.layout: must be a mapping of layout keys to lists of values")
     values = {}
     for key, choices in layout.items():
         if key == "dp":
@@ -97,7 +97,8 @@ def space_from_dict(data, name: str) -> Space:
         kind = OPTION_TYPES.get(key)
         if kind is None:
             raise UsageError(f"space.options.{key}: unknown option (known: {', '.join(OPTION_TYPES)})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (kind is int and not isinstance(value, int)):
             raise UsageError(f"space.options.{key}: must be a number, got {value!r}")
     return Space(name=name, values=values, options=options, description=str(data.get("description", "")))
 

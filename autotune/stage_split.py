@@ -19,9 +19,9 @@ comes nearest to (i+1)/(pp*vpp) of the total, num_layers + 2 * end weight; every
 keeps at least one layer. On the tiny preset the weight is 0.36, so its 8 layers split
 evenly; on llama3-8b it is 1.84, and pp=4 gives 7, 9, 9, 7 layers.
 
-Stage ids per rank: looped schedules (gpipe, 1f1b, interleaved_1f1b, zero_bubble)
-put stages rank, rank+pp, rank+2pp, ... on a rank; V schedules (zbv, dualpipev) put
-stages rank and 2*pp-1-rank, so rank 0 holds the first and the last stage.
+Stage ids per rank, by the schedule's placement (autotune/schedules.py): looped
+schedules put stages rank, rank+pp, rank+2pp, ... on a rank; V schedules put stages
+rank and 2*pp-1-rank, so rank 0 holds the first and the last stage.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import functools
 import math
 
 from autotune.config import ModelConfig
-from autotune.layout import V_SCHEDULES, Layout
+from autotune.layout import Layout
+from autotune.schedules import SCHEDULES
 
 
 def end_weight(model: ModelConfig) -> float:
@@ -70,6 +71,6 @@ def rank_stage_ids(layout: Layout, rank: int) -> tuple[int, ...]:
     """The stages pipeline rank `rank` runs, in increasing order."""
     if layout.pp == 1:
         return (0,)
-    if layout.schedule in V_SCHEDULES:
+    if SCHEDULES[layout.schedule].v_shape:
         return (rank, 2 * layout.pp - 1 - rank)
     return tuple(rank + k * layout.pp for k in range(layout.vpp))

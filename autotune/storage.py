@@ -7,10 +7,8 @@
 
 Shared storages get Optuna's heartbeats: each running trial records one every
 `heartbeat_s` seconds, and a running trial whose last beat is older than the grace
-period (GRACE_HEARTBEATS x heartbeat_s) is stale: its worker died. Optuna 5 has
-heartbeats for RDB storages only; `JournalHeartbeatStorage` adds them to the journal
-in Optuna's own terms (a trial system attribute holding the worker's clock), so the
-same `fail_stale_trials` and retry callback serve both.
+period (GRACE_HEARTBEATS x heartbeat_s) is stale: its worker died (the journal's
+heartbeats: optuna_compat.py).
 
 The claim: two workers may pick the same untaken layout at the same moment, so the
 step from "which layouts are untaken" to "this trial's layout attribute is written"
@@ -28,7 +26,6 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import time
 import urllib.parse
 import warnings
 from pathlib import Path
@@ -36,14 +33,12 @@ from pathlib import Path
 import optuna
 import sqlalchemy
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
-from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.storages.journal import JournalFileBackend
-from optuna.trial import TrialState
 
 from autotune.errors import UsageError
+from autotune.optuna_compat import JournalHeartbeatStorage
 
 GRACE_HEARTBEATS = 4  # a trial is stale after this many missed heartbeats
-HEARTBEAT_ATTR = "heartbeat"  # journal storage: the wall-clock time of a trial's last beat
 JOURNAL_PREFIX = "journal:"
 SCHEMES = "sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB or journal:PATH"
 
@@ -142,37 +137,6 @@ def optuna_quiet():
         yield
 
 
-class JournalHeartbeatStorage(JournalStorage, BaseHeartbeat):
-    """JournalStorage with Optuna's heartbeat interface.
-
-    A beat is the worker's wall-clock time in the trial's system attribute `heartbeat`:
-    the workers' clocks must agree to well within the grace period (NTP does). A trial
-    that has not beaten yet is not stale (as in RDBStorage)."""
-
-    def __init__(self, backend, heartbeat_interval: int, grace_period: int, heartbeat_stale_trial_callback=None):
-        super().__init__(backend)
-        self.heartbeat_interval = heartbeat_interval
-        self.grace_period = grace_period
-        self.stale_callback = heartbeat_stale_trial_callback
-
-    def record_heartbeat(self, trial_id: int) -> None:
-        try:
-            self.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, time.time())
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # another worker found it stale and failed it; the trial's own end says so
-
-    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        now = time.time()
-        return [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
-                if now - t.system_attrs.get(HEARTBEAT_ATTR, now) > self.grace_period]
-
-    def get_heartbeat_interval(self) -> int | None:
-        return self.heartbeat_interval
-
-    def get_heartbeat_stale_trial_callback(self):
-        return self.stale_callback
-
-
 # -- the claim ------------------------------------------------------------------------------
 
 class Claim:
@@ -239,3 +203,31 @@ class Claim:
             path = sqlalchemy.engine.make_url(self.url).database
         folder, name = os.path.split(os.path.abspath(path))
         return os.path.join(folder, f".{name}.claim")
+
+
+def load_study(folder: Path, storage: str | None = None, study_name: str | None = None) -> optuna.Study:
+    """The autotune study in `folder`'s study.db (or in --storage), opened read-only in
+    spirit: nothing is created, a missing study is bad input."""
+    if storage is None:
+        db = folder / "study.db"
+        if not db.is_file():
+            raise UsageError(f"DIR {folder}: no study here (no study.db; give --storage for a shared storage)")
+        storage = f"sqlite:///{db}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url, storage = storage, open_storage(storage)  # bad input in one line, without the password
+    try:
+        names = optuna.get_all_study_names(storage)
+    except Exception as e:  # a storage that opened but cannot be read: the driver's own words
+        raise UsageError(f"--storage {redact(url)}: cannot read it ({one_line(e, url)})") from None
+    if study_name is None:
+        if len(names) != 1:
+            found = f"it holds {', '.join(names)}" if names else "it holds none"
+            raise UsageError(f"--study-name: needed to pick one study ({found})")
+        study_name = names[0]
+    elif study_name not in names:
+        raise UsageError(f"--study-name: no study {study_name!r} in the storage "
+                         f"(it holds {', '.join(names) or 'none'})")
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    if "question" not in study.user_attrs:
+        raise UsageError(f"--study-name: study {study_name!r} was not created by autotune run (no question)")
+    return study

@@ -28,7 +28,6 @@ import fcntl
 import json
 import math
 import os
-import re
 import socket
 import statistics
 import time
@@ -38,74 +37,40 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from autotune.config import HardwareConfig, ModelConfig, model_from_dict
+from autotune.config import GIB
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, calibrate, estimate
 from autotune.launch import Launcher, run_trial
-from autotune.report import write_csv, write_reports
 from autotune.layout import Layout
+from autotune.optuna_compat import HEARTBEAT_ATTR
 from autotune.progress import Progress, summary_table
-from autotune.samplers import (GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler,
-                               holds_layout, layout_from_params)
-from autotune.space import Space, valid_layouts
-from autotune.storage import HEARTBEAT_ATTR, Claim, open_storage, optuna_quiet, redact
-from autotune.trialspec import TrialSpec
+from autotune.record import (
+    COMM_BOUND,
+    COMPLETE,
+    CRASH,
+    FAILED,
+    INTERRUPTED,
+    PREDICTED_KEYS,
+    PREDICTED_OOM,
+    PRUNED,
+    RECORDED_KEYS,
+    Question,
+    counts_as_launch,
+    holds_layout,
+)
+from autotune.report import write_csv, write_reports
+from autotune.samplers import GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler, layout_from_params
+from autotune.space import valid_layouts
+from autotune.storage import Claim, load_study, open_storage, optuna_quiet, redact
 
-GB = 1024 ** 3
 # A trial's wall-clock limit: generous multiples of its predicted run time, never below a
 # floor that covers process start-up, imports and process-group set-up.
 TIMEOUT_FLOOR_S = {"cpu": 180.0, "cuda": 600.0}
 TIMEOUT_PREDICTION_FACTOR = 5.0
-# Measured figures copied from a trial's JSON into the Optuna trial's user attributes.
-MEASURED_KEYS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_mem_bytes",
-                 "comm_fraction", "exposed_comm_fraction", "grad_accum", "world_size", "duration_s",
-                 "peak_tflops")
 # A trial whose worker died is run again at most this many times, then failed for good.
 MAX_RETRIES = 2
 # Who runs a trial (the trial's "worker" attribute): this machine and process.
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
-
-
-@dataclass
-class Question:
-    """What the user asked: stored with the study so `report` and `worker` can read it."""
-
-    model: dict
-    gpus: int
-    space: dict  # Space fields
-    hardware: dict  # HardwareConfig fields
-    objective: str = "tokens_per_s"
-    sampler: str = "model"
-    max_comm_fraction: float = 0.30
-    memory_budget_gb: float | None = None
-    device: str = "cpu"
-    steps: int = 5
-    warmup: int = 2
-    seed: int = 0
-    gpus_per_node: int | None = None
-    launcher: str = "local"
-    trials: int | None = None
-    time_budget_s: float | None = None
-    peak_tflops: float | None = None
-    trial_timeout_s: float | None = None  # None: from the estimate, with a floor
-    heartbeat_s: int = 60  # shared storages: every worker beats this often; stale after 4 beats missed
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return model_from_dict(self.model)
-
-    @property
-    def hardware_config(self) -> HardwareConfig:
-        return HardwareConfig(**self.hardware)
-
-    @property
-    def space_config(self) -> Space:
-        return Space(**self.space)
-
-    def identity(self) -> dict:
-        """What must match for a re-run to resume this study rather than start another."""
-        return {"model": self.model, "gpus": self.gpus, "space": self.space["values"], "device": self.device,
-                "objective": self.objective}
 
 
 @dataclass
@@ -131,14 +96,14 @@ def open_study(question: Question, out: Path, storage: str | None, study_name: s
                                 load_if_exists=True)
     stored = study.user_attrs.get("question")
     if stored is None:
-        study.set_user_attr("question", dataclasses.asdict(question))
-    elif Question(**stored).identity() != question.identity():
+        study.set_user_attr("question", question.to_dict())
+    elif Question.from_dict(stored).identity() != question.identity():
         where = f"--out {out}" if storage is None else f"--study-name {name} in --storage {redact(storage)}"
         raise UsageError(f"{where}: holds a study of another question (model, gpus, space, device or "
                          f"objective differ); give another --out or --study-name")
     if storage is None:
         return study
-    return join_study(storage, name, Question(**study.user_attrs["question"]).heartbeat_s)
+    return join_study(storage, name, Question.from_study(study).heartbeat_s)
 
 
 def join_study(storage: str, study_name: str, heartbeat_s: int) -> optuna.Study:
@@ -163,7 +128,7 @@ class RetryStaleTrial:
                 return
         study.add_trial(optuna.trial.create_trial(
             state=TrialState.FAIL, params=trial.params, distributions=trial.distributions,
-            user_attrs={**trial.user_attrs, "status": "failed", "reason": "crash",
+            user_attrs={**trial.user_attrs, "status": FAILED, "reason": CRASH,
                         "error": f"its worker stopped (no heartbeat) on each of {retried + 1} attempts, "
                                  f"the last {trial.user_attrs.get('worker', '')}"}))
 
@@ -194,7 +159,7 @@ class Controller:
         self.model = question.model_config
         self.hardware = question.hardware_config
         self.layouts = valid_layouts(self.model, question.gpus, question.space_config, question.gpus_per_node)
-        self.budget_bytes = question.memory_budget_gb * GB if question.memory_budget_gb else None
+        self.budget_bytes = question.memory_budget_gb * GIB if question.memory_budget_gb else None
         self.sampler = make_sampler(question, self.layouts, self.scorer)
         study.sampler = self.sampler  # the sampler depends on the layouts, known only now
         self.launcher = launcher or Launcher(question.launcher, question.gpus_per_node)
@@ -278,9 +243,8 @@ class Controller:
 
     @staticmethod
     def launches(trials: list) -> int:
-        """Trials of the study that launched or may launch: every holder of a layout but
-        those the estimator pruned unlaunched."""
-        return sum(holds_layout(t) and t.user_attrs.get("reason") != "predicted_oom" for t in trials)
+        """Trials of the study that launched or may launch (record.counts_as_launch)."""
+        return sum(map(counts_as_launch, trials))
 
     def objective(self, trial: optuna.Trial) -> float:
         params = {key: trial.suggest_categorical(key, dist.choices)
@@ -291,33 +255,31 @@ class Controller:
         self.claim.release()  # the layout is claimed: other workers may choose now
         trial.set_user_attr("layout_short", layout.short())
         predicted = self.predict(layout, self.calibration())
-        for key in ("peak_mem_bytes", "tokens_per_s", "step_time_s", "mfu", "comm_fraction"):
+        for key in PREDICTED_KEYS:
             trial.set_user_attr(f"predicted_{key}", getattr(predicted, key))
         if not predicted.fits:
-            return self.finish(trial, "pruned", "predicted_oom", {"error": (
-                f"predicted peak {predicted.peak_mem_bytes / GB:.2f} GiB over the budget of "
-                f"{self.budget_bytes / GB:.2f} GiB")})
+            return self.finish(trial, PRUNED, PREDICTED_OOM, {"error": (
+                f"predicted peak {predicted.peak_mem_bytes / GIB:.2f} GiB over the budget of "
+                f"{self.budget_bytes / GIB:.2f} GiB")})
         if self.progress:
             self.progress.trial_started(trial.number, layout.short())
         try:
             record = self.launch(trial.number, layout, predicted)
         except KeyboardInterrupt:
-            self.finish(trial, "failed", "interrupted", {"error": "the controller was interrupted (Ctrl-C)"},
+            self.finish(trial, FAILED, INTERRUPTED, {"error": "the controller was interrupted (Ctrl-C)"},
                         raise_=False)
             raise
         self.tally.launched += 1
         status, reason = record["status"], record.get("reason")
         exposed = record.get("exposed_comm_fraction")
-        if status == "complete" and exposed is not None and exposed > self.q.max_comm_fraction:
-            status, reason = "pruned", "comm_bound"
+        if status == COMPLETE and exposed is not None and exposed > self.q.max_comm_fraction:
+            status, reason = PRUNED, COMM_BOUND
             record["error"] = (f"exposed communication {exposed:.0%} of the step, over the threshold of "
                                f"{self.q.max_comm_fraction:.0%}")
         return self.finish(trial, status, reason, record)
 
     def launch(self, number: int, layout: Layout, predicted) -> dict:
-        spec = TrialSpec(model=self.q.model, layout=str(layout), steps=self.q.steps, warmup=self.q.warmup,
-                         seed=self.q.seed, device=self.q.device, memory_budget_gb=self.q.memory_budget_gb,
-                         peak_tflops=self.q.peak_tflops, hardware=self.hardware.name)
+        spec = self.q.trial_spec(str(layout))
         predicted_run = predicted.step_time_s * (self.q.steps + self.q.warmup)
         floor = TIMEOUT_FLOOR_S[self.q.device]
         timeout = max(floor, TIMEOUT_PREDICTION_FACTOR * predicted_run) if math.isfinite(predicted_run) else floor
@@ -332,30 +294,30 @@ class Controller:
         """Keep every figure in the trial's attributes, then end it in Optuna's terms:
         complete returns the objective, pruned raises TrialPruned, failed TrialFailed."""
         attrs = {"status": status, "reason": reason}
-        attrs.update({key: record[key] for key in MEASURED_KEYS + ("losses",) if record.get(key) is not None})
+        attrs.update({key: record[key] for key in RECORDED_KEYS if record.get(key) is not None})
         if record.get("error"):
             attrs["error"] = str(record["error"])[:2000]
         if record.get("stderr_tail"):
             attrs["stderr_tail"] = record["stderr_tail"][-4000:]
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        value = record.get(self.q.objective) if status == "complete" else None
+        value = record.get(self.q.objective) if status == COMPLETE else None
         self.count(status, {**trial.user_attrs, **attrs}, value)
         write_csv(self.study, self.out / "trials.csv")
         if self.progress:
             self.progress.trial_finished(self.tally)
         if not raise_:
             return float("nan")
-        if status == "complete":
+        if status == COMPLETE:
             return value
-        if status == "pruned":
+        if status == PRUNED:
             raise optuna.TrialPruned(attrs.get("error", reason))
         raise TrialFailed(f"{reason}: {attrs.get('error', '')}")
 
     def count(self, status: str, attrs: dict, value: float | None) -> None:
-        if status == "complete":
+        if status == COMPLETE:
             self.tally.complete += 1
-        elif status == "pruned":
+        elif status == PRUNED:
             self.tally.pruned += 1
         else:
             self.tally.failed += 1
@@ -367,12 +329,9 @@ class Controller:
         """Start the tally from what the study already holds (a resumed sweep)."""
         for t in self.study.get_trials(deepcopy=False):
             status = t.user_attrs.get("status")
-            reason = t.user_attrs.get("reason")
-            if status is None or reason == "interrupted":
-                continue
-            self.count(status, t.user_attrs, t.value if t.state == TrialState.COMPLETE else None)
-            if reason not in ("predicted_oom", "invalid"):
-                self.tally.launched += 1  # --trials counts launches over every run of the study
+            if status is not None and t.user_attrs.get("reason") != INTERRUPTED:
+                self.count(status, t.user_attrs, t.value if t.state == TrialState.COMPLETE else None)
+            self.tally.launched += counts_as_launch(t)  # --trials counts launches over every run of the study
 
 
 class TrialFailed(Exception):
@@ -432,10 +391,8 @@ def run_worker(storage: str, study_name: str, out: Path | None = None, launcher:
     """`autotune worker`: join a study that `run` created on a shared storage, read the
     question from it, and run its trials on this machine's GPUs (or nodes) until the
     budget is spent or every layout has an outcome."""
-    from autotune.report import load_study
-
     plain = load_study(out or Path("."), storage, study_name)  # a missing study is bad input
-    question = Question(**plain.user_attrs["question"])
+    question = Question.from_study(plain)
     out = out or Path("results") / plain.study_name
     with results_folder(out, exclusive=False):
         study = join_study(storage, plain.study_name, question.heartbeat_s)

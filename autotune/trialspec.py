@@ -6,14 +6,25 @@ every node of a multi-node trial without a shared filesystem.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import signal
 from dataclasses import dataclass, field
 
 # Lines by which the ranks talk to the launcher: rank 0's result on stdout, any rank's
 # failure on stderr.
 RESULT_MARKER = "AUTOTUNE_RESULT "
 ERROR_MARKER = "AUTOTUNE_ERROR "
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (PR_SET_PDEATHSIG), so no
+    launcher or rank outlives the process that started it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 @dataclass

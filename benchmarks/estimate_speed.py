@@ -19,7 +19,7 @@ import time
 
 from autotune import estimate_memory
 from autotune.config import load_hardware, load_model
-from autotune.estimate import budget_bytes, estimate, valid_layouts
+from autotune.estimate import budget_bytes, estimate, every_layout
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     budget = budget_bytes(hardware, None)
 
     start = time.perf_counter()
-    layouts = valid_layouts(model, args.gpus, hardware.gpus_per_node)
+    layouts = every_layout(model, args.gpus, hardware.gpus_per_node)
     enumerate_s = time.perf_counter() - start
 
     walls, cpus = [], []

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from autotune.config import load_model
 from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
-from autotune.runtime.mesh import ParallelDims
+from autotune.runtime.mesh import mesh_for
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.profiling import StepProfiler
 from autotune.trialspec import TrialSpec
@@ -58,7 +58,7 @@ def worker(rank: int, args, store_path: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, args.gpus), rank=rank, world_size=args.gpus)
     cfg = load_model(args.model)
     layout = resolve(args.layout, cfg, args.gpus)
-    mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+    mesh = mesh_for(layout, "cpu")
     spec = TrialSpec(model={}, layout=str(layout))
     trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"), spec)
     grad_accum, dp_rank = layout.grad_accum(cfg), mesh["dp"].get_local_rank()

@@ -24,6 +24,7 @@ from autotune import study as study_module
 from autotune.estimate import calibrate
 from autotune.layout import Layout
 
+
 class NoClaim:
     """One controller per in-memory study: nothing to lock."""
 

@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 import optuna
 from optuna.trial import TrialState
+from replay import Replay
+from results_section import machine, today, write_section
 
 from autotune.config import load_hardware, load_model
 from autotune.estimate import estimate
+from autotune.record import Question
 from autotune.space import load_space, valid_layouts
-from autotune.study import Question
-from replay import Replay
-from results_section import machine, today, write_section
 
 SIGMA_THROUGHPUT = 0.15
 SIGMA_MEMORY = 0.05

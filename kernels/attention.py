@@ -55,7 +55,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autotune.runtime.torch_compat import resolve_process_group
 
 aten = torch.ops.aten
 
@@ -239,6 +240,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal: bool):
     rank, size, length = dist.get_rank(group), dist.get_world_size(group), q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v))
+    arriving, grad_works = None, ()  # the dK/dV accumulator in flight from the previous rank
     for step in range(size):
         last = step == size - 1
         if not last:
@@ -265,7 +267,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal: bool):
 @torch.library.custom_op("autotune::ring_attention", mutates_args=())
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(q, k, v, _resolve_process_group(group_name), causal)
+    return _ring_forward(q, k, v, resolve_process_group(group_name), causal)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -278,7 +280,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _ring_attention_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, _resolve_process_group(ctx.group_name), ctx.causal)
+    dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, resolve_process_group(ctx.group_name), ctx.causal)
     return dq, dk, dv, None, None
 
 

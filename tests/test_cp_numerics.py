@@ -3,13 +3,13 @@ data parallel and recompute, against one process: same losses at every step, sam
 trained parameters, same gradients; and the activation memory per rank it saves."""
 
 import pytest
-from numerics import assert_same_training
-from ring_probe import cp_activation_bytes, tiny_with
-from spawn_group import run_layouts, run_on_ranks
-from step_probe import assert_same_gradients, first_step_gradients, reference_gradients
 
 from autotune.config import load_model
 from autotune.layout import resolve
+from support.numerics import assert_same_training
+from support.ring_probe import cp_activation_bytes, tiny_with
+from support.spawn_group import run_layouts, run_on_ranks
+from support.step_probe import assert_same_gradients, first_step_gradients, reference_gradients
 
 TINY = load_model("tiny")  # seq_len 64: cp up to 8 with head-tail sharding
 

@@ -3,14 +3,19 @@ against one process: same losses at every step, same trained parameters, same gr
 
 import pytest
 import torch
-from numerics import assert_same_losses, assert_same_training
-from spawn_group import run_layouts, run_on_ranks
-from step_probe import (assert_same_gradients, first_step_gradients, mixed_precision_step, reference_gradients,
-                        zero_one_against_adamw)
 
 from autotune.config import load_model
 from autotune.layout import resolve
 from autotune.runtime.parallel.dp import mixed_precision_policy
+from support.numerics import assert_same_losses, assert_same_training
+from support.spawn_group import run_layouts, run_on_ranks
+from support.step_probe import (
+    assert_same_gradients,
+    first_step_gradients,
+    mixed_precision_step,
+    reference_gradients,
+    zero_one_against_adamw,
+)
 
 TINY = load_model("tiny")  # global batch 16
 

@@ -5,13 +5,13 @@ and without expert parallel; expert gradients equal one process's (Adam would hi
 wrong scale); a router biased to one expert reports the imbalance it causes."""
 
 import pytest
-from moe_probe import skew_and_split
-from numerics import assert_same_training
-from spawn_group import run_layouts, run_on_ranks
-from step_probe import assert_same_gradients, first_step_gradients, reference_gradients
 
 from autotune.config import load_model
 from autotune.layout import resolve
+from support.moe_probe import skew_and_split
+from support.numerics import assert_same_training
+from support.spawn_group import run_layouts, run_on_ranks
+from support.step_probe import assert_same_gradients, first_step_gradients, reference_gradients
 
 MOE = load_model("tiny-moe")  # global batch 16
 

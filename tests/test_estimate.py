@@ -11,10 +11,25 @@ import pytest
 
 from autotune.cli import main
 from autotune.config import load_hardware, load_model
-from autotune.estimate import (GIB, Calibration, budget_bytes, calibrate, default_calibration, estimate,
-                               rank_estimates, valid_layouts)
-from autotune.estimate_memory import (SavedTotals, Saved, chunks_in_flight, peak_points, rank_memory, rank_shape,
-                                      saved_bytes_per_token)
+from autotune.estimate import (
+    GIB,
+    Calibration,
+    budget_bytes,
+    calibrate,
+    default_calibration,
+    estimate,
+    every_layout,
+    rank_estimates,
+)
+from autotune.estimate_memory import (
+    Saved,
+    SavedTotals,
+    chunks_in_flight,
+    peak_points,
+    rank_memory,
+    rank_shape,
+    saved_bytes_per_token,
+)
 from autotune.layout import Layout, resolve
 from autotune.stage_split import rank_stage_ids
 
@@ -413,7 +428,7 @@ def test_calibration_without_usable_trials_keeps_the_prior():
 
 def test_every_layout_ranked_fitting_first_then_by_tokens_per_second():
     llama_8b = load_model("llama3-8b")
-    layouts = valid_layouts(llama_8b, 16, 8)
+    layouts = every_layout(llama_8b, 16, 8)
     assert {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"} <= {l.schedule for l in layouts}
     assert {l.zero for l in layouts} == {0, 1, 2, 3} and {l.recompute for l in layouts} == {"none", "selective", "full"}
     assert max(l.tp for l in layouts) == 8 and max(l.cp for l in layouts) > 1 and any(l.sp for l in layouts)
@@ -442,7 +457,7 @@ def test_cli_every_layout_json_and_table(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["memory_budget_bytes"] == pytest.approx(0.001 * GIB)
     rows = out["layouts"]
-    assert len(rows) == len(valid_layouts(TINY, 4, 1024)) and len({r["layout"] for r in rows}) == len(rows)
+    assert len(rows) == len(every_layout(TINY, 4, 1024)) and len({r["layout"] for r in rows}) == len(rows)
     assert [r["fits"] for r in rows] == sorted((r["fits"] for r in rows), reverse=True)
     assert main(["estimate", "--model", "tiny", "--gpus", "4", "--top", "3"]) == 0
     table = capsys.readouterr().out
@@ -463,7 +478,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 def test_estimate_modules_do_not_import_torch():
     code = ("import sys\n"
             "from autotune.cli import main\n"
-            "from autotune.estimate import estimate, valid_layouts\n"
+            "from autotune.estimate import estimate, every_layout\n"
             "main(['estimate', '--model', 'tiny', '--gpus', '2', '--json'])\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "assert not loaded, loaded\n")

@@ -2,11 +2,10 @@
 shard parameter and optimizer state; recompute and sequence parallel hold fewer
 activations. Directions and ratios are asserted, not byte counts."""
 
-from spawn_group import run_on_ranks
-from step_probe import activation_bytes, held_state_and_peak
-
 from autotune.config import load_model
 from autotune.layout import resolve
+from support.spawn_group import run_on_ranks
+from support.step_probe import activation_bytes, held_state_and_peak
 
 TINY = load_model("tiny")
 

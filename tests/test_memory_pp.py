@@ -2,11 +2,11 @@
 measured: the bytes of the activations autograd saves, at their peak over a step."""
 
 import pytest
-from spawn_group import run_on_ranks
-from step_probe import pipeline_activation_peaks
 
 from autotune.estimate_memory import chunks_in_flight
 from autotune.layout import Layout
+from support.spawn_group import run_on_ranks
+from support.step_probe import pipeline_activation_peaks
 
 MICROBATCHES = (2, 4, 8)  # global batch sizes at mbs=1, dp=1
 

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
-from spawn_group import run_layouts
 
 from autotune.config import load_model
 from autotune.layout import resolve
-from autotune.runtime.peak_flops import calibrate, peak_flops
+from autotune.runtime.peak_flops import gemm_flops, peak_flops
 from autotune.runtime.trial import GIB, is_out_of_memory, memory_budget
 from autotune.trialspec import TrialSpec
+from support.spawn_group import run_layouts
 
 TINY = load_model("tiny")
 
@@ -49,7 +49,7 @@ def test_peak_flops_sources_in_order():
 def test_calibration_measures_a_gemm_rate_that_agrees_with_timing_it():
     import time
     n = 256
-    rate = calibrate(torch.device("cpu"), torch.float32, n, repeats=5)
+    rate = gemm_flops(torch.device("cpu"), torch.float32, n, repeats=5)
     a = torch.randn(n, n)
     start = time.perf_counter()
     for _ in range(20):

@@ -13,8 +13,16 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from autotune.config import MoEConfig, load_model
 from autotune.runtime.init import init_weights
 from autotune.runtime.moe import MoE, end_step, set_aux_loss_scale
-from autotune_kernels.moe import (expert_counts, grouped_matmul, grouped_matmul_loop, grouped_mm_applies,
-                                  inverse_permutation, permute, route, unpermute)
+from autotune_kernels.moe import (
+    expert_counts,
+    grouped_matmul,
+    grouped_matmul_loop,
+    grouped_mm_applies,
+    inverse_permutation,
+    permute,
+    route,
+    unpermute,
+)
 
 
 def generator(seed: int = 0) -> torch.Generator:
@@ -82,8 +90,8 @@ def test_experts_that_get_zero_tokens():
                 if n == 0:
                     assert grad_w is None or not grad_w[e].any()
                 else:
-                    torch.testing.assert_close(grad_w[e], x.detach()[sum(counts[:e]):sum(counts[:e + 1])].sum(0)[:, None]
-                                               .expand(-1, 8))
+                    rows = x.detach()[sum(counts[:e]):sum(counts[:e + 1])]
+                    torch.testing.assert_close(grad_w[e], rows.sum(0)[:, None].expand(-1, 8))
 
 
 def test_router_keeps_top_k_with_normalised_weights():

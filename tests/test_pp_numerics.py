@@ -6,12 +6,12 @@ from every stage and shard."""
 import math
 
 import pytest
-from numerics import assert_same_training
-from spawn_group import run_layouts, run_on_ranks
-from step_probe import MODEL, assert_same_gradients, first_step_gradients, reference_gradients
 
 from autotune.config import load_model
 from autotune.layout import resolve
+from support.numerics import assert_same_training
+from support.spawn_group import run_layouts, run_on_ranks
+from support.step_probe import MODEL, assert_same_gradients, first_step_gradients, reference_gradients
 
 TINY = load_model("tiny")  # 8 layers, global batch 16
 MAX_GRAD_NORM = 0.2  # the gradients' norm is about 4 in the first steps, so clipping acts

@@ -5,11 +5,20 @@ import random
 import statistics
 
 import pytest
-import workloads
-from workloads import profile_workloads
 
-from autotune.runtime.profiling import (STEP_EVENT, Event, allocation_peak, analyze, compute_intervals, intersect,
-                                        subtract, total, union)
+from autotune.runtime.profiling import (
+    STEP_EVENT,
+    Event,
+    allocation_peak,
+    analyze,
+    compute_intervals,
+    intersect,
+    subtract,
+    total,
+    union,
+)
+from support import workloads
+from support.workloads import profile_workloads
 
 # -- interval arithmetic ------------------------------------------------------------------------
 

@@ -4,23 +4,26 @@ import html
 import json
 import re
 import subprocess
-import tomllib
 
 import optuna
 import pandas as pd
 import pytest
+import tomllib
 from optuna.trial import TrialState, create_trial
 
 from autotune.cli import main
+from autotune.config import GIB as GB
 from autotune.config import load_model
-from autotune.export import exports, write_best
 from autotune.layout import Layout, parse_layout, resolve
-from autotune.report import GB, trial_table, write_reports
-from autotune.report_answer import answer
-from autotune.report_html import gpu_split
+from autotune.record import Question
+from autotune.report import write_reports
+from autotune.report.answer import answer
+from autotune.report.best import exports, write_best
+from autotune.report.html import gpu_split
+from autotune.report.table import trial_table
 from autotune.space import load_space, valid_layouts
 from autotune.trialspec import TrialSpec
-from report_study import OUTCOMES, make_study, question
+from support.report_study import OUTCOMES, make_study, question
 
 # The CSV's columns are a contract (README, "Results"): written out here, not imported.
 CSV_COLUMNS = ["trial", "status", "reason", "tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "schedule",
@@ -107,7 +110,7 @@ def test_answer_explains_with_the_rules_of_thumb(tmp_path):
     add("tp=2,pp=2,mbs=1,zero=1,recompute=full", "complete", tokens=100_000, peak=70, exposed=0.10)
     add("tp=2,pp=2,mbs=1,zero=1", "pruned", "oom", tokens=110_000, peak=85, exposed=0.10)
     add("tp=4,pp=1,mbs=1,zero=1", "complete", tokens=97_000, peak=40, exposed=0.35)
-    result = answer(q, trial_table(study))
+    result = answer(Question.from_dict(q), trial_table(study))
     assert result.best["trial"] == 0 and result.runner_up["trial"] == 2
     rules = {r.title: r for r in result.rules}
     assert rules["Tensor parallel inside a node"].verdict == "confirms"
@@ -131,7 +134,7 @@ def test_the_gpu_split_reads_both_ways():
 
 
 def known_question(gpus=16):
-    return question("llama3-8b", gpus, "dense", "h100-sxm")
+    return Question.from_dict(question("llama3-8b", gpus, "dense", "h100-sxm"))
 
 
 def best_row(layout: str, trial: int = 7) -> pd.Series:
@@ -201,7 +204,7 @@ def test_exports_of_a_known_data_parallel_layout(tmp_path):
 
 @pytest.mark.parametrize("model, space", [("llama3-8b", "dense"), ("mixtral-8x7b", "moe")])
 def test_every_layout_of_a_space_exports(model, space):
-    q = question(model, 16, space, "h100-sxm")
+    q = Question.from_dict(question(model, 16, space, "h100-sxm"))
     layouts = valid_layouts(load_model(model), 16, load_space(space), 8)
     for layout in layouts:
         megatron, titan, deepspeed = exports(q, str(layout))

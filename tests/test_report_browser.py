@@ -16,8 +16,8 @@ import pandas
 import pytest
 
 from autotune.report import write_reports
-from chromium import CHROMIUM, Chromium
-from report_study import make_study
+from support.chromium import CHROMIUM, Chromium
+from support.report_study import make_study
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason=f"needs Chromium at {CHROMIUM} (Debian: apt-get install chromium; CI installs "

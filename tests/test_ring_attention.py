@@ -5,8 +5,6 @@ counted, and activation checkpointing keeping the ring whole under selective rec
 
 import pytest
 import torch
-from ring_probe import ring_checks
-from spawn_group import run_on_ranks
 
 from autotune_kernels.attention import (
     attention_backward,
@@ -16,6 +14,8 @@ from autotune_kernels.attention import (
     head_tail_positions,
     head_tail_shard,
 )
+from support.ring_probe import ring_checks
+from support.spawn_group import run_on_ranks
 
 TOL = 1e-5  # fp32
 

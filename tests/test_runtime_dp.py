@@ -1,10 +1,9 @@
 """Foundation runtime: determinism, learning, and plain data parallel against one process."""
 
-from numerics import assert_same_losses, assert_same_params
-from spawn_group import run_layouts
-
 from autotune.config import load_model
 from autotune.layout import resolve
+from support.numerics import assert_same_losses, assert_same_params
+from support.spawn_group import run_layouts
 
 TINY = load_model("tiny")
 

@@ -9,7 +9,7 @@ import time
 import optuna
 import pandas as pd
 
-from autotune.report import CSV_COLUMNS
+from autotune.report.table import CSV_COLUMNS
 
 RUN = [sys.executable, "-m", "autotune.cli", "run", "--model", "tiny", "--space", "quick"]
 

@@ -4,13 +4,13 @@ step and same trained parameters."""
 
 import pytest
 import torch.distributed as dist
-from numerics import assert_same_training
-from spawn_group import run_layouts
-from step_probe import local_attention_shapes
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autotune.config import load_model
 from autotune.layout import resolve
+from support.numerics import assert_same_training
+from support.spawn_group import run_layouts
+from support.step_probe import local_attention_shapes
 
 TINY = load_model("tiny")  # 8 heads, 4 kv heads (GQA), head_dim 8, global batch 16
 

@@ -1,6 +1,6 @@
 """Several workers on one shared study: the claim, heartbeats and retries, bad input.
 
-Most tests run `autotune run` / `autotune worker` with fake trials (tests/fake_trials.py):
+Most tests run `autotune run` / `autotune worker` with fake trials (tests/support/fake_trials.py):
 the claim and the retry are properties of the study, and a fake trial lets a test race
 twenty claims in seconds. The last test runs the real thing: two processes measure the
 quick space on PostgreSQL, one is killed mid-trial, and no password leaks anywhere.
@@ -24,9 +24,9 @@ from optuna.trial import TrialState
 
 from autotune.storage import open_storage, redact, redact_text
 from autotune.study import MAX_RETRIES, RetryStaleTrial
-from postgres import postgres_db, with_password  # noqa: F401 - a fixture
+from support.postgres import with_password
 
-FAKE = str(Path(__file__).with_name("fake_trials.py"))
+FAKE = str(Path(__file__).parent / "support" / "fake_trials.py")
 QUICK_4 = ["--model", "tiny", "--gpus", "4", "--space", "quick", "--sampler", "grid"]  # 20 layouts
 QUICK_4_LAYOUTS = 20
 PASSWORD = "pa:ss@w/rd-9"  # characters that URLs percent-encode

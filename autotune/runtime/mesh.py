@@ -1,30 +1,10 @@
-"""ParallelDims: the degrees of a layout and the device mesh they make.
+"""The device mesh of a layout: torch's DeviceMesh with every named group of
+autotune/mesh_layout.py (which says what each group is for).
 
-Mesh dims, outermost first: pp, dp_replicate, dp_shard, cp, tp. tp is innermost so
-that a TP group is neighbouring ranks (inside one node); pp outermost so that stage
-boundaries may cross nodes. Flattened views serve the collectives that span several
-dims:
-
-    dp        = dp_replicate x dp_shard   the data-parallel ranks (batch split)
-    dp_cp     = dp x cp                   ranks that see different tokens: loss average,
-                                          gradient reduction of dense parameters
-    dp_shard_cp = dp_shard x cp           FSDP sharding of dense parameters under CP
-
-Expert parallel is carved from dp_shard x cp rather than added as a dimension: the
-MoE layers cut those ranks into (edp_shard, ep) with ep innermost (its ranks tp
-apart, so inside a node whenever ep * tp fits), and the world size stays pp * dp *
-cp * tp:
-
-    ep          the ranks that exchange tokens by all-to-all, each holding experts/ep
-    edp_shard   dp_shard x cp / ep        FSDP sharding of the routed experts
-    edp         dp_replicate x edp_shard  the ranks that hold the same experts: their
-                                          gradients are reduced over these
-
-An ep group may span cp ranks (ep = 2, cp = 2: the two halves of every sequence
-go to different expert ranks): routing is per token, so that changes nothing.
-
-This is the only file that touches private DeviceMesh APIs (`_flatten`,
-`_unflatten`, `_concatenate`), so a change in torch is mended in one place.
+`build_mesh` makes the root mesh in mesh_layout's dim order, then every flattened view
+and EP's carving by name; `Meshes` hands them out (`meshes["tp"]`, `meshes["dp_cp"]`).
+DeviceMesh's private APIs (flatten, unflatten, concatenate) are reached through
+runtime/torch_compat.py.
 """
 
 from __future__ import annotations
@@ -33,54 +13,24 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autotune.layout import Layout
-
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ep: int
-
-    @classmethod
-    def from_layout(cls, layout: Layout) -> "ParallelDims":
-        return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                   cp=layout.cp, tp=layout.tp, ep=layout.ep)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in DIM_NAMES)
-
-    def build_mesh(self, device_type: str) -> "Meshes":
-        root = init_device_mesh(device_type, self.shape(), mesh_dim_names=DIM_NAMES)
-        named = {name: root[name] for name in DIM_NAMES}
-        for name, dims in FLATTENED.items():
-            named[name] = root[dims]._flatten(name)
-        experts = named["dp_shard_cp"]._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep),
-                                                  ("edp_shard", "ep"))
-        named["ep"], named["edp_shard"] = experts["ep"], experts["edp_shard"]
-        named["edp"] = DeviceMesh._concatenate([named["dp_replicate"], named["edp_shard"]])._flatten("edp")
-        return Meshes(root=root, named=named)
+from autotune.mesh_layout import DIM_NAMES, EXPERT_DIMS, FLATTENED, ParallelDims
+from autotune.runtime.torch_compat import concatenate_meshes, flatten_mesh, unflatten_mesh
 
 
-# Flattened views, kept by name (torch no longer slices flattened dims from the root).
-FLATTENED = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-}
+def mesh_for(layout, device_type: str) -> "Meshes":
+    """The meshes of a layout's degrees."""
+    return build_mesh(ParallelDims.from_layout(layout), device_type)
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> "Meshes":
+    root = init_device_mesh(device_type, dims.shape(), mesh_dim_names=DIM_NAMES)
+    named = {name: root[name] for name in DIM_NAMES}
+    for name, parts in FLATTENED.items():
+        named[name] = flatten_mesh(root[parts], name)
+    experts = unflatten_mesh(named["dp_shard_cp"], dims.expert_shape, EXPERT_DIMS)
+    named.update({name: experts[name] for name in EXPERT_DIMS})
+    named["edp"] = flatten_mesh(concatenate_meshes([named["dp_replicate"], named["edp_shard"]]), "edp")
+    return Meshes(root=root, named=named, dims=dims)
 
 
 @dataclass(frozen=True)
@@ -89,6 +39,7 @@ class Meshes:
 
     root: DeviceMesh
     named: dict
+    dims: ParallelDims
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.named[name]
@@ -102,11 +53,11 @@ class Meshes:
     def hsdp(self) -> DeviceMesh:
         """The 2-D (dp_replicate, dp_shard_cp) mesh of HSDP: FSDP shards over the second
         dim and replicates over the first."""
-        return DeviceMesh._concatenate([self.named["dp_replicate"], self.named["dp_shard_cp"]])
+        return concatenate_meshes([self.named["dp_replicate"], self.named["dp_shard_cp"]])
 
     def expert_hsdp(self) -> DeviceMesh:
         """HSDP's 2-D mesh for the routed experts: (dp_replicate, edp_shard)."""
-        return DeviceMesh._concatenate([self.named["dp_replicate"], self.named["edp_shard"]])
+        return concatenate_meshes([self.named["dp_replicate"], self.named["edp_shard"]])
 
     def describe(self) -> str:
         """The process grid, printable: which global ranks form each group of this rank."""

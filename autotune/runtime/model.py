@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotune.config import ModelConfig
+from autotune.runtime.mlp import FeedForward
+from autotune.runtime.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -90,19 +92,6 @@ class Attention(nn.Module):
         return self.wo(self.core(q, k, v).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int):
-        super().__init__()
-        self.gate = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.up = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.down = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -110,7 +99,6 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
-            from autotune.runtime.moe import MoE  # only MoE models need the router and experts
             self.mlp = MoE(cfg)
         else:
             self.mlp = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)

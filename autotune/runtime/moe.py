@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autotune.config import ModelConfig
-from autotune.runtime.model import FeedForward
+from autotune.runtime.mlp import FeedForward
 from autotune_kernels.moe import expert_counts, grouped_matmul, permute, route, unpermute
 
 

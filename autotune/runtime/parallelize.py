@@ -39,11 +39,11 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
                       mp_policy: MixedPrecisionPolicy | None) -> None:
     """Every dimension but PP, applied in place to one (meta-device) model or stage.
     mp_policy: None for fp32, else FSDP2's mixed precision (see dp.mixed_precision_policy)."""
-    if layout.tp > 1:
+    if mesh.dims.tp_enabled:
         apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=bool(layout.sp))
-    if layout.ep > 1:
+    if mesh.dims.ep_enabled:
         apply_expert_parallel(stage, mesh["ep"])
-    if layout.cp > 1:
+    if mesh.dims.cp_enabled:
         apply_context_parallel(stage, mesh["cp"], stage.cfg.seq_len)
     apply_recompute(stage, layout.recompute)
     apply_data_parallel(stage, mesh, layout, mp_policy)
@@ -55,7 +55,7 @@ def build_parts(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.de
     pipeline stages; each parallelised, materialised and initialised."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    parts = split_stages(model, cfg, layout, mesh.local_rank("pp")) if layout.pp > 1 else {0: model}
+    parts = split_stages(model, cfg, layout, mesh.local_rank("pp")) if mesh.dims.pp_enabled else {0: model}
     for part in parts.values():
         parallelize_stage(part, layout, mesh, mixed_precision_policy(cfg, device))
         part.to_empty(device=device)
@@ -70,9 +70,9 @@ def build_trainer(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.
     optimizer = build_optimizer(nn.ModuleList(parts.values()), mesh, layout,
                                 lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
     # Under TP the logits stay vocab-sharded and the loss is computed on the shards.
-    loss_context = loss_parallel if layout.tp > 1 else contextlib.nullcontext
-    shard_batch = HeadTailSharder(mesh["cp"]) if layout.cp > 1 else None
-    if layout.pp == 1:
+    loss_context = loss_parallel if mesh.dims.tp_enabled else contextlib.nullcontext
+    shard_batch = HeadTailSharder(mesh["cp"]) if mesh.dims.cp_enabled else None
+    if not mesh.dims.pp_enabled:
         return Trainer(parts[0], optimizer, loss_context, shard_batch, max_grad_norm=spec.max_grad_norm)
     pp_group = mesh["pp"].get_group()
     schedule = build_schedule(parts, layout, layout.grad_accum(cfg), pp_group, device)

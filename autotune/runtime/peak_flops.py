@@ -34,11 +34,11 @@ def peak_flops(peak_tflops: float | None, hardware: str | None, device: torch.de
         if preset is not None:
             return preset.peak_tflops * 1e12, f"hardware preset {preset.name} (device {name})"
     n = CALIBRATION_SIZE[device.type]
-    return calibrate(device, dtype, n), f"calibration: {n}x{n} {str(dtype).removeprefix('torch.')} GEMM, " \
+    return gemm_flops(device, dtype, n), f"calibration: {n}x{n} {str(dtype).removeprefix('torch.')} GEMM, " \
                                         f"best of {CALIBRATION_REPEATS}"
 
 
-def calibrate(device: torch.device, dtype: torch.dtype, n: int, repeats: int = CALIBRATION_REPEATS) -> float:
+def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = CALIBRATION_REPEATS) -> float:
     """FLOP/s of the fastest of `repeats` n x n matmuls (2 n^3 FLOPs each), after one
     untimed matmul that pays for library initialisation. It runs with the thread count the
     trial runs with, on every rank at once, so on a shared CPU it measures each rank's share."""

@@ -39,9 +39,9 @@ from typing import NamedTuple
 
 import torch
 from torch.autograd import DeviceType
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from autotune.runtime.torch_compat import ProfilerEventType, is_traceable_wrapper_subclass
 
 STEP_EVENT = "autotune.step"
 GLOO_PREFIX = "gloo:"
@@ -190,7 +190,7 @@ def profiler_allocations(result, device_type: str) -> list[tuple[int, int, int]]
     while stack:
         node = stack.pop()
         stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
+        if node.tag == ProfilerEventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == device_type:
                 out.append((node.start_time_ns, fields.ptr, fields.alloc_size))

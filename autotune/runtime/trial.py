@@ -14,11 +14,9 @@ many layouts in one group of processes.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -27,23 +25,22 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from autotune.config import ModelConfig, load_hardware, model_from_dict
+from autotune.config import GIB, ModelConfig, load_hardware, model_from_dict
 from autotune.layout import resolve
+from autotune.record import COMPLETE, OOM, PROFILED_METRICS, PRUNED
 from autotune.runtime.data import micro_batches
 from autotune.runtime.faults import fault_for
-from autotune.runtime.mesh import ParallelDims
+from autotune.runtime.mesh import mesh_for
 from autotune.runtime.parallel.ep import token_imbalance
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.peak_flops import peak_flops
 from autotune.runtime.profiling import StepProfiler, StepTimer
-from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec
+from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, die_with_parent
 
-
-GIB = 2**30
-UNMEASURED_WITHOUT_PROFILER = (
-    "peak_mem_bytes", "comm_fraction", "comm_fraction_mean", "exposed_comm_fraction", "exposed_comm_fraction_mean",
-    "peak_mem_bytes_per_rank", "resident_mem_bytes_per_rank", "comm_fraction_per_rank",
-    "exposed_comm_fraction_per_rank")
+# Figures only the profiler measures, with their per-rank and mean forms, and the
+# resident bytes behind the peak.
+UNMEASURED_WITHOUT_PROFILER = tuple(f"{name}{suffix}" for name in PROFILED_METRICS
+                                    for suffix in ("", "_mean", "_per_rank")) + ("resident_mem_bytes_per_rank",)
 
 
 def trial_device(spec: TrialSpec) -> torch.device:
@@ -85,8 +82,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     layout = resolve(spec.layout, cfg, dist.get_world_size())
     device = trial_device(spec)
     budget = memory_budget(spec, device)
-    dims = ParallelDims.from_layout(layout)
-    mesh = dims.build_mesh(device.type)
+    mesh = mesh_for(layout, device.type)
     trainer = build_trainer(cfg, layout, mesh, device, spec)
     if keep is not None:
         keep.update(trainer=trainer, mesh=mesh)
@@ -123,7 +119,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     dist.all_gather_object(per_rank, mine)
 
     result = {
-        "status": "complete",
+        "status": COMPLETE,
         "reason": None,
         "model": cfg.name,
         "layout": str(layout),
@@ -143,7 +139,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
             result.pop(key, None)
     elif budget is not None and result["peak_mem_bytes"] > budget:
         rank = result["peak_mem_bytes_per_rank"].index(result["peak_mem_bytes"])
-        result.update(status="pruned", reason="oom",
+        result.update(status=PRUNED, reason=OOM,
                       error=f"rank {rank}: peak {result['peak_mem_bytes'] / GIB:.3f} GiB is over the memory "
                             f"budget of {budget / GIB:.3f} GiB")
     return result
@@ -203,14 +199,6 @@ def global_losses(local: torch.Tensor, mesh) -> list[float]:
         share = share.to(local.device)
     dist.all_reduce(share)
     return share.cpu().tolist()
-
-
-def die_with_parent() -> None:
-    """Ask Linux to kill this rank if its launcher dies, so no rank outlives its trial."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from autotune.config import ModelConfig
@@ -59,6 +58,7 @@ from autotune.runtime.mesh import Meshes
 from autotune.runtime.moe import moe_layers
 from autotune.runtime.parallel.ep import divide_expert_gradients
 from autotune.runtime.parallel.zero1 import zero_one_adamw
+from autotune.runtime.torch_compat import replicate
 
 
 def mixed_precision_policy(cfg: ModelConfig, device: torch.device) -> MixedPrecisionPolicy | None:
@@ -72,14 +72,14 @@ def apply_data_parallel(model: nn.Module, mesh: Meshes, layout: Layout,
                         mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """Wrap the routed experts (under expert parallel), the blocks, the embedding, then
     the root, according to layout.zero."""
-    if mesh.size("dp_cp") == 1 and mp_policy is None:
+    if not mesh.dims.dp_enabled and mp_policy is None:
         return
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    hsdp = mesh.size("dp_replicate") > 1
+    hsdp = mesh.dims.hsdp_enabled
     # Under PP a stage runs several forwards before their backwards: keep its parameters
     # gathered between them (torch's schedules reshard once, after the step's last backward).
-    reshard = layout.zero == 3 and layout.pp == 1
-    if layout.ep > 1:
+    reshard = layout.zero == 3 and not mesh.dims.pp_enabled
+    if mesh.dims.ep_enabled:
         experts_mesh = mesh["edp"] if layout.zero <= 1 else mesh.expert_hsdp() if hsdp else mesh["edp_shard"]
         for layer in moe_layers(model).values():
             wrap(layer.experts, experts_mesh, layout.zero, mp_policy, reshard)
@@ -104,10 +104,10 @@ def build_optimizer(model: nn.Module, mesh: Meshes, layout: Layout, **adamw_opti
     """AdamW over the model's parameters; at zero=1, over this rank's slices of them:
     dense parameters sliced over dp_shard x cp, expert-parallel experts over edp_shard."""
     params = list(model.parameters())
-    if layout.zero != 1 or mesh.size("dp_shard_cp") == 1:
+    if layout.zero != 1 or mesh.dims.state_shards == 1:
         return torch.optim.AdamW(params, **adamw_options)
     experts = {id(p) for layer in moe_layers(model).values() for p in layer.experts.parameters()} \
-        if layout.ep > 1 else set()
+        if mesh.dims.ep_enabled else set()
     groups = [([p for p in params if id(p) not in experts], mesh["dp_shard_cp"]),
               ([p for p in params if id(p) in experts], mesh["edp_shard"])]
     return zero_one_adamw([(group, group_mesh) for group, group_mesh in groups if group], **adamw_options)

@@ -40,12 +40,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from autotune.runtime.moe import moe_layers
+from autotune.runtime.torch_compat import all_to_all_single_autograd
 from autotune_kernels.moe import inverse_permutation
 
 
@@ -113,7 +113,7 @@ def token_imbalance(model: nn.Module | list[nn.Module], mesh, skip_steps: int) -
     groups sum their per-expert counts; ranks of all groups (and pipeline stages)
     are then compared together, as the slowest expert rank holds up every step.
     """
-    if mesh.size("ep") == 1:
+    if not mesh.dims.ep_enabled:
         return None
     ranks, me = mesh.size("ep"), mesh.local_rank("ep")
     mine = {}

@@ -8,16 +8,9 @@ layers keep their global names (a ModuleDict keyed by layer index), so init and 
 tests see the plain model's parameter names. Each stage is then parallelised like a
 whole model (parallelize.parallelize_stage) and wrapped in a `PipelineStage`.
 
-torch's schedules run everything else:
-
-    gpipe             ScheduleGPipe                  1 stage per rank
-    1f1b              Schedule1F1B                   1 stage per rank, micro-batches >= pp
-    interleaved_1f1b  ScheduleInterleaved1F1B        vpp stages per rank (looped)
-    zero_bubble       ScheduleInterleavedZeroBubble  vpp stages per rank (looped), split backward
-    zbv               ScheduleZBVZeroBubble          2 stages per rank in a V, split backward
-    dualpipev         ScheduleDualPipeV              2 stages per rank in a V, micro-batches >= 2*pp
-
-(layout.check holds each schedule's own preconditions.) The loss: the schedule is built
+torch's schedules run everything else: autotune/schedules.py names each schedule's
+torch class, its stages per rank and the micro-batch counts it takes (layout.check
+holds each schedule's own preconditions). The loss: the schedule is built
 with scale_grads=False and a loss function that divides each micro-batch's token mean
 by the number of micro-batches, exactly as the unpipelined Trainer does, so losses and
 every gradient (also any that a layer injects into autograd itself) are those of one
@@ -44,33 +37,17 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
 from autotune.config import ModelConfig
 from autotune.layout import Layout
 from autotune.runtime.model import Transformer
 from autotune.runtime.moe import discard_step, end_step, set_aux_loss_scale
+from autotune.runtime.torch_compat import CleanedPipelineStage
 from autotune.runtime.train import clip_grad_norm, cross_entropy
+from autotune.schedules import SCHEDULES
 from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
-
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
 
 
 def split_stages(model: Transformer, cfg: ModelConfig, layout: Layout, pp_rank: int) -> dict[int, Transformer]:
@@ -103,15 +80,14 @@ class ScaledLoss:
         return cross_entropy(logits, labels) / self.microbatches
 
 
-class Stage(PipelineStage):
+class Stage(CleanedPipelineStage):
     """torch's PipelineStage. On the first step torch infers the stages' tensor shapes by
     running one real forward and backward (dynamic metadata inference), then clears the
     gradients it made. Its backward also records MoE balance-loss terms and expert
     counts, which belong to no step (and on a later stage come from an uninitialised
     input: NaN); they go when torch cleans up after the inference."""
 
-    def _post_metadata_inference_cleanup(self) -> None:
-        super()._post_metadata_inference_cleanup()
+    def after_metadata_inference(self) -> None:
         discard_step(self.submod)
 
 
@@ -120,12 +96,10 @@ def build_schedule(parts: dict[int, nn.Module], layout: Layout, microbatches: in
     """torch's schedule for `layout.schedule` over this rank's stages."""
     stages = [Stage(part, stage_id, stage_count(layout), device, group=pp_group)
               for stage_id, part in sorted(parts.items())]
-    schedule_class = SCHEDULES[layout.schedule]
-    if issubclass(schedule_class, PipelineScheduleSingle):
-        return schedule_class(stages[0], n_microbatches=microbatches, loss_fn=ScaledLoss(microbatches),
-                              scale_grads=False)
-    return schedule_class(stages, n_microbatches=microbatches, loss_fn=ScaledLoss(microbatches),
-                          scale_grads=False)
+    schedule = SCHEDULES[layout.schedule]
+    schedule_class = getattr(schedules, schedule.torch_class)
+    return schedule_class(stages if schedule.multi_stage else stages[0], n_microbatches=microbatches,
+                          loss_fn=ScaledLoss(microbatches), scale_grads=False)
 
 
 class PipelineTrainer:

@@ -41,11 +41,11 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autotune_kernels.attention import RING_ATTENTION_OP
 from autotune.runtime.moe import MoE
+from autotune.runtime.torch_compat import checkpoint_wrapper
+from autotune_kernels.attention import RING_ATTENTION_OP
 
 aten = torch.ops.aten
 # The ops whose outputs selective recompute keeps.

@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from autotune.runtime.model import FeedForward
+from autotune.runtime.mlp import FeedForward
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -24,13 +24,13 @@ from autotune.samplers import key_distributions
 from autotune.space import load_space, valid_layouts
 
 GB = 1024 ** 3
-# Every outcome a trial can have (DESIGN section 3) that the controller records.
+# Every outcome a trial can have (autotune/record.py) that the controller records.
 OUTCOMES = ("complete", "pruned/predicted_oom", "pruned/oom", "pruned/comm_bound", "failed/crash",
             "failed/timeout", "failed/error")
 
 
 def question(model: str, gpus: int, space: str, hardware: str, model_name: str | None = None) -> dict:
-    """The same fields as autotune.study.Question, as the study stores them."""
+    """The same fields as autotune.record.Question, as the study stores them."""
     m = dataclasses.asdict(load_model(model))
     if model_name is not None:
         m["name"] = model_name

@@ -4,7 +4,7 @@ Works offline and in any browser: plotly.js is embedded (no CDN: clusters often
 have no internet), the ranking table sorts with a few lines of plain JavaScript,
 and the CSS is inline. Every string that comes from the user or a trial (model
 name, space description, error text, stderr) goes through `html.escape`; charts
-carry only parsed layout labels (report_charts.py).
+carry only parsed layout labels (charts.py).
 """
 
 from __future__ import annotations
@@ -17,25 +17,25 @@ import optuna
 import pandas as pd
 from plotly.offline import get_plotlyjs
 
-from autotune import report_charts as charts
 from autotune.config import model_from_dict
 from autotune.errors import UsageError
-from autotune.export import trial_command
-from autotune.report_answer import OBJECTIVE_LABEL, Answer, answer, outcome, present
+from autotune.export.ours import trial_command
+from autotune.record import COMPLETE, Question
+from autotune.report import charts
+from autotune.report.answer import OBJECTIVE_LABEL, Answer, answer, outcome, present
 
 e = html.escape
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
 BADGE = {"confirms": ("✓", "good"), "breaks": ("!", "warn"), "note": ("i", "info")}
 
 
-def render_report(study: optuna.Study, question: dict, table: pd.DataFrame) -> str:
+def render_report(study: optuna.Study, question: Question, table: pd.DataFrame) -> str:
     result = answer(question, table)
-    threshold = question.get("max_comm_fraction", 0.30)
-    figures = [charts.throughput_by_layout(table), charts.memory_vs_throughput(table, question.get("memory_budget_gb")),
+    threshold = question.max_comm_fraction
+    figures = [charts.throughput_by_layout(table), charts.memory_vs_throughput(table, question.memory_budget_gb),
                charts.exposed_comm(table, threshold), charts.predicted_vs_measured(table),
                charts.history(table, result.objective), charts.param_importance(study)]
-    model = question.get("model") or {}
-    title = f"autotune: {model.get('name', '?')} on {question.get('gpus', '?')} GPUs"
+    title = f"autotune: {question.model_name} on {question.gpus} GPUs"
     body = "\n".join([
         f"<header><h1>{e(title)}</h1><p class='sub'>study {e(study.study_name)} · report written "
         f"{dt.datetime.now().strftime('%Y-%m-%d %H:%M')}</p></header>",
@@ -63,8 +63,8 @@ def definition_list(items: list[tuple[str, str]]) -> str:
 
 
 # -- the question ---------------------------------------------------------------------------
-def question_html(q: dict, table: pd.DataFrame) -> str:
-    m, hw, space = q.get("model") or {}, q.get("hardware") or {}, q.get("space") or {}
+def question_html(q: Question, table: pd.DataFrame) -> str:
+    m, hw, space = q.model, q.hardware, q.space
     try:
         config = model_from_dict(m)
         size = f"{config.num_params() / 1e9:.3g} B" if config.num_params() >= 1e8 else f"{config.num_params():,}"
@@ -80,9 +80,8 @@ def question_html(q: dict, table: pd.DataFrame) -> str:
     ]
     if moe:
         model_items.append(("MoE", e(f"{moe.get('num_experts')} experts, top-{moe.get('top_k')}")))
-    per_node = q.get("gpus_per_node") or hw.get("gpus_per_node")
     hw_items = [
-        ("GPUs", e(f"{q.get('gpus')} ({q.get('device', '?')}), {per_node} per node")),
+        ("GPUs", e(f"{q.gpus} ({q.device}), {q.per_node} per node")),
         ("hardware", e(str(hw.get("name", "?")))),
         ("peak", e(f"{hw.get('peak_tflops')} TFLOP/s per device" if hw.get("peak_tflops") else
                    "measured on the CPU")),
@@ -93,19 +92,18 @@ def question_html(q: dict, table: pd.DataFrame) -> str:
     search_items = [
         ("space", e(str(space.get("name", "?"))) + (f" — {e(space['description'])}" if space.get("description")
                                                       else "")),
-        ("sampler · objective", e(f"{q.get('sampler')} · "
-                                  f"{OBJECTIVE_LABEL.get(q.get('objective'), q.get('objective'))}")),
+        ("sampler · objective", e(f"{q.sampler} · {OBJECTIVE_LABEL.get(q.objective, q.objective)}")),
         ("keys searched", "<br>".join(f"<code>{e(k)}</code>: {e(', '.join(map(str, v)))}" for k, v in values.items())
          or "–"),
     ]
     durations = table["duration_s"].dropna()
-    budget = q.get("memory_budget_gb")
+    budget = q.memory_budget_gb
     budget_items = [
-        ("trials", e(f"{q['trials']} launches at most" if q.get("trials") else "until every layout is measured")),
-        ("time", e(f"{q['time_budget_s']:,.0f} s" if q.get("time_budget_s") else "no limit")),
+        ("trials", e(f"{q.trials} launches at most" if q.trials else "until every layout is measured")),
+        ("time", e(f"{q.time_budget_s:,.0f} s" if q.time_budget_s else "no limit")),
         ("memory budget", e(f"{budget:g} GiB per GPU" if budget else "none")),
-        ("max exposed comm", e(f"{q.get('max_comm_fraction', 0.30):.0%} of the step")),
-        ("each trial", e(f"{q.get('warmup')} warm-up + {q.get('steps')} measured steps, seed {q.get('seed')}")),
+        ("max exposed comm", e(f"{q.max_comm_fraction:.0%} of the step")),
+        ("each trial", e(f"{q.warmup} warm-up + {q.steps} measured steps, seed {q.seed}")),
         ("spent", e(f"{len(table)} trials, {durations.sum() / 60:,.1f} min of trial time")),
     ]
     cards = [("Model", model_items), ("GPUs and hardware", hw_items), ("Search", search_items),
@@ -115,11 +113,11 @@ def question_html(q: dict, table: pd.DataFrame) -> str:
 
 
 # -- the answer -----------------------------------------------------------------------------
-def answer_html(q: dict, result: Answer) -> str:
+def answer_html(q: Question, result: Answer) -> str:
     best = result.best
     if best is None:
         return f"<p class='verdict bad'>{e(result.summary)}</p>"
-    budget = q.get("memory_budget_gb")
+    budget = q.memory_budget_gb
     peak = fmt(best["peak_mem_gb"], "{:.2f} GiB") + (f" of {budget:g}" if budget and present(best["peak_mem_gb"])
                                                       else "")
     kpis = [("tokens/s", fmt(best["tokens_per_s"], "{:,.0f}")),
@@ -231,7 +229,7 @@ def ranking_html(result: Answer) -> str:
 
 
 def pruned_html(table: pd.DataFrame) -> str:
-    others = table[table["status"] != "complete"].sort_values("trial")
+    others = table[table["status"] != COMPLETE].sort_values("trial")
     if others.empty:
         return "<p class='empty'>None: every trial completed.</p>"
     rows = []

@@ -20,7 +20,7 @@ from autotune.config import load_model
 from autotune.layout import resolve
 from autotune.runtime.data import batch_rows, micro_batches
 from autotune.runtime.init import init_weights, plain_name
-from autotune.runtime.mesh import ParallelDims
+from autotune.runtime.mesh import mesh_for
 from autotune.runtime.model import Transformer
 from autotune.runtime.parallel.dp import build_optimizer
 from autotune.runtime.parallelize import build_trainer, parallelize_stage
@@ -48,7 +48,7 @@ def trainer_for(text: str, model: str = MODEL, **spec_fields):
     """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them."""
     cfg = load_model(model)
     layout = resolve(text, cfg, dist.get_world_size())
-    mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+    mesh = mesh_for(layout, "cpu")
     trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
                             TrialSpec(model=dataclasses.asdict(cfg), layout=text, **spec_fields))
     return cfg, layout, mesh, trainer
@@ -75,7 +75,7 @@ def first_step_gradients(layouts: list[str], model: str = MODEL, spec_fields: di
         assert layout.zero != 1
         grads = {}
 
-        def capture(optimizer, args, kwargs):
+        def capture(optimizer, args, kwargs, trainer=trainer, grads=grads):
             for part in model_parts(trainer):
                 for name, param in part.named_parameters():
                     grads[plain_name(name)] = full(param.grad).flatten().tolist()
@@ -117,7 +117,7 @@ def mixed_precision_step(layouts: list[str], steps: int = 3) -> list[dict]:
     results = []
     for text in layouts:
         layout = resolve(text, cfg, dist.get_world_size())
-        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        mesh = mesh_for(layout, "cpu")
         with torch.device("meta"):
             model = Transformer(cfg)
         parallelize_stage(model, layout, mesh, policy)
@@ -127,10 +127,10 @@ def mixed_precision_step(layouts: list[str], steps: int = 3) -> list[dict]:
         trainer = Trainer(model, optimizer, loss_parallel if layout.tp > 1 else contextlib.nullcontext)
         seen = {"compute": [], "grads": set()}
 
-        def linear_input(module, args):
+        def linear_input(module, args, seen=seen):
             seen["compute"] = [str(args[0].dtype), str(module.weight.dtype)]
 
-        def gradient_dtypes(optimizer, args, kwargs):
+        def gradient_dtypes(optimizer, args, kwargs, seen=seen, model=model):
             seen["grads"] |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
 
         model.layers["3"].attention.wq.register_forward_pre_hook(linear_input)
@@ -153,7 +153,7 @@ def local_attention_shapes(layouts: list[str]) -> list[dict]:
     results = []
     for text in layouts:
         layout = resolve(text, cfg, dist.get_world_size())
-        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        mesh = mesh_for(layout, "cpu")
         with torch.device("meta"):
             model = Transformer(cfg)
         parallelize_stage(model, layout, mesh, None)
@@ -278,7 +278,7 @@ def pipeline_activation_peaks(cases: list[tuple[str, int]]) -> list[int]:
     for text, global_batch in cases:
         cfg = dataclasses.replace(load_model(MODEL), global_batch_size=global_batch)
         layout = resolve(text, cfg, dist.get_world_size())
-        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        mesh = mesh_for(layout, "cpu")
         trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
                                 TrialSpec(model=dataclasses.asdict(cfg), layout=text))
         trainer.step(step_batches(cfg, layout, mesh, 0))

@@ -134,8 +134,14 @@ def allocate(rank: int, resident_bytes: int = 0, extra_bytes: int = 0):
 
 def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: int, steps: int,
             out_dir: str) -> None:
-    from autotune.runtime.profiling import (StepProfiler, communication_intervals, intersect, is_communication,
-                                            step_spans, total)
+    from autotune.runtime.profiling import (
+        StepProfiler,
+        communication_intervals,
+        intersect,
+        is_communication,
+        step_spans,
+        total,
+    )
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,

@@ -9,7 +9,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from step_probe import memory_by_kind
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -17,11 +16,12 @@ import autotune_kernels.attention as kernels
 from autotune.config import load_model, model_from_dict
 from autotune.layout import resolve
 from autotune.runtime.data import micro_batches
-from autotune.runtime.mesh import ParallelDims
+from autotune.runtime.mesh import mesh_for
 from autotune.runtime.parallel.recompute import keep_expensive_ops
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.train import cross_entropy
 from autotune.trialspec import TrialSpec
+from support.step_probe import memory_by_kind
 
 
 def random_inputs(case: dict):
@@ -91,7 +91,7 @@ def ring_against_full(cases: list[dict]) -> list[dict]:
         q, k, v, dout = random_inputs(case)
         full = full_attention(q, k, v, dout, causal)
 
-        def mine(t, dim=1):
+        def mine(t, dim=1, causal=causal):
             return kernels.head_tail_shard(t, size, rank, dim) if causal else t.chunk(size, dim)[rank]
 
         local = [mine(t).requires_grad_() for t in (q, k, v)]
@@ -162,7 +162,7 @@ def cp_activation_bytes(model: dict, layouts: list[str]) -> list[dict]:
     results = []
     for text in layouts:
         layout = resolve(text, cfg, dist.get_world_size())
-        mesh = ParallelDims.from_layout(layout).build_mesh("cpu")
+        mesh = mesh_for(layout, "cpu")
         trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"), TrialSpec(model=model, layout=text))
         batch = micro_batches(0, 0, mesh["dp"].get_local_rank(), layout.mbs, layout.grad_accum(cfg),
                               cfg.seq_len, cfg.vocab_size)[0]

@@ -1,10 +1,10 @@
 """The answer of a study: which layout to train with, why it won, what the runner-up costs.
 
 The "why" is told in the practitioners' terms (tensor parallel inside a node, the
-pipeline bubble, the communication share, memory headroom, recompute: DESIGN
-section 8), each rule checked against this study's measurements, so the reader
-sees which rule of thumb the result confirms and which it breaks. Only rules the
-data speaks to are listed. Plain text throughout: the HTML escapes it.
+pipeline bubble, the communication share, memory headroom, recompute), each rule
+checked against this study's measurements, so the reader sees which rule of thumb
+the result confirms and which it breaks. Only rules the data speaks to are listed.
+Plain text throughout: the HTML escapes it.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from autotune.report import LAYOUT_COLUMNS
+from autotune.record import COMPLETE, Question
+from autotune.report.table import LAYOUT_COLUMNS
+from autotune.schedules import SCHEDULES
 
-# Rules of thumb (DESIGN section 8).
+# Rules of thumb, as practitioners state them.
 HEADROOM_WANTED = 0.20  # keep 20-30% of device memory free for buffers and fragmentation
 MICRO_BATCHES_PER_STAGE = 4  # want micro-batches >= 4 x PP
 LONG_SEQUENCE = 16384  # context parallel pays off from tens of thousands of tokens
 TIED = 0.02  # two layouts within 2% are a tie on a few measured steps
 SAFER_WITHIN = 0.05  # a runner-up this close that keeps the headroom the winner lacks is worth naming
-LOOPED = ("interleaved_1f1b", "zero_bubble")
-ZERO_BUBBLE = ("zero_bubble", "zbv", "dualpipev")
 OBJECTIVE_LABEL = {"tokens_per_s": "tokens/s", "mfu": "MFU"}
 
 
@@ -71,9 +71,9 @@ def outcome(row) -> str:
     return row["status"] + (f"/{row['reason']}" if present(row["reason"]) else "")
 
 
-def answer(question: dict, table: pd.DataFrame) -> Answer:
-    objective = question.get("objective", "tokens_per_s")
-    ranked = table[table["status"] == "complete"].sort_values(["value", "trial"], ascending=[False, True])
+def answer(question: Question, table: pd.DataFrame) -> Answer:
+    objective = question.objective
+    ranked = table[table["status"] == COMPLETE].sort_values(["value", "trial"], ascending=[False, True])
     best = ranked.iloc[0] if len(ranked) else None
     runner_up = ranked.iloc[1] if len(ranked) > 1 else None
     result = Answer(objective, best, runner_up, ranked)
@@ -102,7 +102,7 @@ def choices(table: pd.DataFrame, best: pd.Series) -> list[Choice]:
             continue
         for value in sorted(values, key=lambda v: (v != best[key], str(v).zfill(8))):
             group = tried[tried[key] == value]
-            done = group[group["status"] == "complete"]
+            done = group[group["status"] == COMPLETE]
             top = done.sort_values("value", ascending=False).iloc[0] if len(done) else None
             counts = group.groupby(group.apply(outcome, axis=1)).size().sort_values(ascending=False)
             out.append(Choice(
@@ -113,11 +113,10 @@ def choices(table: pd.DataFrame, best: pd.Series) -> list[Choice]:
     return out
 
 
-def rules(question: dict, table: pd.DataFrame, best: pd.Series) -> list[Rule]:
-    hardware = question.get("hardware") or {}
-    model = question.get("model") or {}
-    per_node = question.get("gpus_per_node") or hardware.get("gpus_per_node")
-    gpus = question.get("gpus")
+def rules(question: Question, table: pd.DataFrame, best: pd.Series) -> list[Rule]:
+    model = question.model
+    per_node = question.per_node
+    gpus = question.gpus
     out = []
     tp, pp, cp, ep, dp = (int(best[k]) for k in ("tp", "pp", "cp", "ep", "dp"))
 
@@ -139,17 +138,19 @@ def rules(question: dict, table: pd.DataFrame, best: pd.Series) -> list[Rule]:
     # The pipeline bubble: (p-1)/(m+p-1) for GPipe and 1F1B; interleaving divides it by vpp.
     if pp > 1 and present(best["grad_accum"]):
         m, vpp, schedule = int(best["grad_accum"]), int(best["vpp"]), best["schedule"]
-        bubble = (pp - 1) / (m + pp - 1) / (vpp if schedule in LOOPED else 1)
+        looped = SCHEDULES[schedule].placement == "looped"
+        bubble = (pp - 1) / (m + pp - 1) / (vpp if looped else 1)
         enough = m >= MICRO_BATCHES_PER_STAGE * pp
         text = (f"PP={pp} with {m} micro-batches per step and schedule {schedule}: bubble about "
-                f"(p-1)/(m+p-1){'/vpp' if schedule in LOOPED else ''} = {bubble:.0%}"
-                + (" before the zero-bubble schedule fills it" if schedule in ZERO_BUBBLE else "") + ". "
+                f"(p-1)/(m+p-1){'/vpp' if looped else ''} = {bubble:.0%}"
+                + (" before the zero-bubble schedule fills it" if SCHEDULES[schedule].split_backward else "")
+                + ". "
                 + (f"m >= 4 x PP = {4 * pp}: as the rule wants." if enough else
                    f"The rule wants m >= 4 x PP = {4 * pp}; this layout won with fewer."))
         out.append(Rule("confirms" if enough else "breaks", "Pipeline bubble", text))
 
     # Communication share: > 30% of the step communicating means the layout is cut too finely.
-    threshold = question.get("max_comm_fraction", 0.30)
+    threshold = question.max_comm_fraction
     exposed, total = best["exposed_comm_fraction"], best["comm_fraction"]
     if present(exposed):
         overlap = (f" {total:.0%} of the step communicates, {max(total - exposed, 0):.0%} of it hidden behind "
@@ -159,7 +160,7 @@ def rules(question: dict, table: pd.DataFrame, best: pd.Series) -> list[Rule]:
                         f"{'under' if exposed <= threshold else 'over'} the {threshold:.0%} threshold.{overlap}"))
 
     # Memory: static state plus activations, with 20-30% headroom.
-    budget = question.get("memory_budget_gb")
+    budget = question.memory_budget_gb
     peak = best["peak_mem_gb"]
     if budget and present(peak):
         headroom = 1 - peak / budget
@@ -181,7 +182,7 @@ def rules(question: dict, table: pd.DataFrame, best: pd.Series) -> list[Rule]:
                 twin = twin[twin[key] == best[key]]
         if len(twin):
             t = twin.iloc[0]
-            if t["status"] == "complete":
+            if t["status"] == COMPLETE:
                 text = (f"recompute={best['recompute']} beat the same layout without recompute (trial "
                         f"{t['trial']}) by {best['value'] / t['value'] - 1:.0%}, against the rule of thumb "
                         f"that recompute costs 20-30% more compute.")
@@ -216,7 +217,7 @@ def rules(question: dict, table: pd.DataFrame, best: pd.Series) -> list[Rule]:
     return out
 
 
-def runner_up_text(question: dict, best: pd.Series, runner: pd.Series | None, objective: str) -> str:
+def runner_up_text(question: Question, best: pd.Series, runner: pd.Series | None, objective: str) -> str:
     if runner is None:
         return "Only one layout completed: there is no runner-up to compare with."
     gap = runner["value"] / best["value"] - 1 if best["value"] else 0.0
@@ -232,7 +233,7 @@ def runner_up_text(question: dict, best: pd.Series, runner: pd.Series | None, ob
     else:
         text += (f" It needs {abs(delta):.2f} GiB {'less' if delta < 0 else 'more'} memory per GPU "
                  f"({runner['peak_mem_gb']:.2f} GiB).")
-    budget = question.get("memory_budget_gb")
+    budget = question.memory_budget_gb
     if budget and delta < 0:
         best_room, runner_room = 1 - best["peak_mem_gb"] / budget, 1 - runner["peak_mem_gb"] / budget
         if best_room < HEADROOM_WANTED <= runner_room and -gap <= SAFER_WITHIN:

@@ -3,7 +3,7 @@
 The claim and the retry of a dead worker's trial are properties of the study, not of
 the trials, so their tests run many trials in seconds this way:
 
-    python tests/fake_trials.py worker --storage URL --study-name NAME
+    python tests/support/fake_trials.py worker --storage URL --study-name NAME
 
 Environment: FAKE_TRIAL_S (how long a trial takes, default 0.05 s), FAKE_TRIAL_HANG
 (every trial hangs: its worker is to be killed), FAKE_CHOOSE_S (the sampler takes this
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autotune import cli, samplers, storage, study  # noqa: E402
 

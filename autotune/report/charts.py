@@ -19,7 +19,8 @@ import plotly.graph_objects as go
 from optuna.trial import TrialState
 from plotly.subplots import make_subplots
 
-from autotune.report_answer import OBJECTIVE_LABEL, outcome
+from autotune.record import COMPLETE
+from autotune.report.answer import OBJECTIVE_LABEL, outcome
 
 OUTCOME_COLORS = {
     "complete": "#2a9d8f",
@@ -188,7 +189,7 @@ def history(table: pd.DataFrame, objective: str) -> Chart:
     label = OBJECTIVE_LABEL.get(objective, objective)
     chart = Chart("history", f"Optimisation history: {label} of each complete trial, and the best so far")
     frame = labelled(table).sort_values("trial")
-    done = frame[frame["status"] == "complete"]
+    done = frame[frame["status"] == COMPLETE]
     if done.empty:
         chart.note = "No trial completed yet."
         return chart
@@ -198,7 +199,7 @@ def history(table: pd.DataFrame, objective: str) -> Chart:
                     hovertemplate="%{text}<br>%{y:,.4g} " + label + "<extra></extra>")
     fig.add_scatter(x=done["trial"], y=done["value"].cummax(), mode="lines", name="best so far",
                     line=dict(color="#1c7ed6", shape="hv", width=2), hoverinfo="skip")
-    others = frame[frame["status"] != "complete"]
+    others = frame[frame["status"] != COMPLETE]
     if not others.empty:
         fig.add_scatter(x=others["trial"], y=[0] * len(others), mode="markers", name="pruned or failed (at 0)",
                         text=others["label"] + "  " + others["outcome"],

@@ -1,0 +1,86 @@
+"""Our layouts in other frameworks' terms: Megatron-LM, torchtitan and DeepSpeed.
+
+    megatron    Megatron-LM arguments
+    torchtitan  torchtitan's [parallelism], [training] and [activation_checkpoint]
+    deepspeed   a DeepSpeed config, where one applies
+    ours        our own runtime: the layout string, `autotune trial`, torchrun
+
+No framework has every one of our settings, so each translation lists each setting
+as `exact` (the same thing), `approximate` (the nearest there, written) or `none`
+(no equivalent, nothing written). report/best.py writes them into best/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autotune.config import ModelConfig
+from autotune.layout import Layout, parse_layout
+from autotune.record import Question
+from autotune.stage_split import stage_layers
+
+
+@dataclass
+class Mapping:
+    """One of our settings in another framework's terms."""
+
+    ours: str  # e.g. "tp=4"
+    status: str  # exact | approximate | none
+    theirs: str  # what was written there ("" when none)
+    note: str = ""
+
+
+@dataclass
+class Export:
+    framework: str
+    filename: str
+    content: str | None  # None: this framework cannot express the layout (why: `reason`)
+    mappings: list[Mapping] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass
+class Target:
+    """Everything a translation needs: the layout, the model, the machine."""
+
+    layout: Layout
+    model: ModelConfig
+    gpus: int
+    gpus_per_node: int
+
+    @property
+    def grad_accum(self) -> int:
+        return self.layout.grad_accum(self.model)
+
+    @property
+    def nodes(self) -> int:
+        """The fewest nodes that hold the GPUs with the same count on each (torchrun's requirement)."""
+        return next(n for n in range(-(-self.gpus // self.gpus_per_node), self.gpus + 1) if self.gpus % n == 0)
+
+    @property
+    def stage_layers(self) -> tuple[range, ...]:
+        """Our split: the layers of each of the pp*vpp stages (stage_split.py)."""
+        return stage_layers(self.model, self.layout.pp * self.layout.vpp)
+
+    @property
+    def even_split(self) -> int | None:
+        """Layers per stage where every stage has as many, else None."""
+        sizes = {len(span) for span in self.stage_layers}
+        return sizes.pop() if len(sizes) == 1 else None
+
+
+def target(question: Question, layout_text: str) -> Target:
+    """What a study's question and one of its layouts say about the run to translate."""
+    return Target(Layout(**parse_layout(layout_text)), question.model_config, question.gpus, question.per_node)
+
+
+def comment_block(maps: list[Mapping], prefix: str = "# ") -> list[str]:
+    lines = []
+    for status, title in (("exact", "Maps exactly"), ("approximate", "Approximately (the nearest is written)"),
+                          ("none", "No equivalent here (nothing written)")):
+        chosen = [mp for mp in maps if mp.status == status]
+        if chosen:
+            lines.append(f"{prefix}{title}:")
+            lines += [f"{prefix}  {mp.ours}" + (f" -> {mp.theirs}" if mp.theirs else "")
+                      + (f"  ({mp.note})" if mp.note else "") for mp in chosen]
+    return lines

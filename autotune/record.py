@@ -1,0 +1,143 @@
+"""The study's record: the question it answers, the outcome vocabulary, the metric names.
+
+Pure Python (no Optuna, no torch): the controller writes these, the reports, the
+exports and the workers read them, and every one of them reads them from here.
+
+Outcomes, one vocabulary everywhere (a trial's JSON, Optuna user attributes, the CSV,
+the report):
+
+    complete                measured
+    pruned / predicted_oom  the estimator says it cannot fit: never launched
+    pruned / oom            ran out of memory (real, or its peak over the budget)
+    pruned / comm_bound     exposed communication over --max-comm-fraction; figures kept
+    failed / timeout        exceeded its wall-clock limit; its process tree was killed
+    failed / crash          a rank died (signal, exit code)
+    failed / error          a Python exception; its last lines kept
+    failed / interrupted    the controller was stopped during it: measured again on resume
+
+(A layout that breaks a rule is never proposed: the samplers choose among valid layouts
+only, and `autotune trial` refuses one with exit code 2.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autotune.config import HardwareConfig, ModelConfig, model_from_dict
+from autotune.space import Space
+from autotune.trialspec import TrialSpec
+
+COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
+PREDICTED_OOM, OOM, COMM_BOUND = "predicted_oom", "oom", "comm_bound"
+TIMEOUT, CRASH, ERROR, INTERRUPTED = "timeout", "crash", "error", "interrupted"
+
+# Exposed communication above this share of the step prunes a layout (the practitioners' rule of
+# thumb: a step spending more than 30% communicating is cut too finely).
+DEFAULT_MAX_COMM_FRACTION = 0.30
+OBJECTIVES = ("tokens_per_s", "mfu")
+SAMPLER_NAMES = ("model", "tpe", "grid", "random")
+
+# A trial's figures (README "Metrics"), as its JSON names them. The profiled ones need
+# torch.profiler; a trial run without it (numerics tests) reports step times only.
+PROFILED_METRICS = ("peak_mem_bytes", "comm_fraction", "exposed_comm_fraction")
+METRICS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu") + PROFILED_METRICS
+# What the study keeps of a trial's JSON in its Optuna user attributes: the metrics and
+# the facts needed to read them.
+RECORDED_KEYS = METRICS + ("grad_accum", "world_size", "duration_s", "peak_tflops", "losses")
+# The estimator's prediction of each, kept as predicted_<name>.
+PREDICTED_KEYS = ("peak_mem_bytes", "tokens_per_s", "step_time_s", "mfu", "comm_fraction")
+
+
+@dataclass
+class Question:
+    """What the user asked: stored with the study so `report` and `worker` can read it."""
+
+    model: dict  # ModelConfig fields
+    gpus: int
+    space: dict  # Space fields
+    hardware: dict  # HardwareConfig fields
+    objective: str = "tokens_per_s"
+    sampler: str = "model"
+    max_comm_fraction: float = DEFAULT_MAX_COMM_FRACTION
+    memory_budget_gb: float | None = None
+    device: str = "cpu"
+    steps: int = 5
+    warmup: int = 2
+    seed: int = 0
+    gpus_per_node: int | None = None
+    launcher: str = "local"
+    trials: int | None = None
+    time_budget_s: float | None = None
+    peak_tflops: float | None = None
+    trial_timeout_s: float | None = None  # None: from the estimate, with a floor
+    heartbeat_s: int = 60  # shared storages: every worker beats this often; stale after 4 beats missed
+
+    @classmethod
+    def from_dict(cls, stored: dict) -> "Question":
+        """The question as a study stores it; fields an older version did not write take
+        their defaults."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in stored.items() if k in known})
+
+    @classmethod
+    def from_study(cls, study) -> "Question":
+        """The question of an Optuna study that `autotune run` created."""
+        return cls.from_dict(study.user_attrs["question"])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return model_from_dict(self.model)
+
+    @property
+    def hardware_config(self) -> HardwareConfig:
+        return HardwareConfig(**self.hardware)
+
+    @property
+    def space_config(self) -> Space:
+        return Space(**self.space)
+
+    @property
+    def model_name(self) -> str:
+        return self.model.get("name", "?")
+
+    @property
+    def per_node(self) -> int:
+        """GPUs per node: the study's, else the hardware's, else all of them on one."""
+        return self.gpus_per_node or self.hardware.get("gpus_per_node") or self.gpus
+
+    def trial_spec(self, layout: str) -> TrialSpec:
+        """What the study runs for a layout (a full layout string)."""
+        return TrialSpec(model=self.model, layout=layout, steps=self.steps, warmup=self.warmup, seed=self.seed,
+                         device=self.device, memory_budget_gb=self.memory_budget_gb, peak_tflops=self.peak_tflops,
+                         hardware=self.hardware.get("name"))
+
+    def identity(self) -> dict:
+        """What must match for a re-run to resume this study rather than start another."""
+        return {"model": self.model, "gpus": self.gpus, "space": self.space["values"], "device": self.device,
+                "objective": self.objective}
+
+
+def holds_layout(trial) -> bool:
+    """Whether an Optuna trial has its layout: measured, pruned, failed on, running, or
+    queued to run again (WAITING: the retry of a trial whose worker died).
+
+    A trial that ended without an outcome of its own gave its layout back, to be
+    measured again: its controller was interrupted (reason "interrupted"), or it died
+    and was failed by the heartbeat or at resume (state FAIL with no status).
+    """
+    attrs = trial.user_attrs
+    if "layout" not in attrs or attrs.get("reason") == INTERRUPTED:
+        return False
+    if trial.state.name == "FAIL":
+        return "status" in attrs
+    return True
+
+
+def counts_as_launch(trial) -> bool:
+    """Whether a trial counts against --trials: every holder of a layout (finished,
+    running, or queued again) but those the estimator pruned unlaunched."""
+    return holds_layout(trial) and trial.user_attrs.get("reason") != PREDICTED_OOM

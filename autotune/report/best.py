@@ -1,0 +1,88 @@
+"""best/: the recommended layout for our runtime and translated for other frameworks.
+
+    layout.txt          the layout string for `autotune trial --layout`, and the command
+    model.yaml          the model, so the commands here run as they are
+    torchrun.sh         the torchrun command for our runtime
+    megatron_args.sh    Megatron-LM arguments
+    torchtitan.toml     torchtitan's [parallelism], [training] and [activation_checkpoint]
+    deepspeed.json      a DeepSpeed config, where one applies (deepspeed_notes.md says how it maps)
+    README.md           what each file holds, and every setting's mapping
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from autotune.export import Export, Target, comment_block, target
+from autotune.export.deepspeed import deepspeed
+from autotune.export.megatron import megatron
+from autotune.export.ours import runtime
+from autotune.export.torchtitan import torchtitan
+from autotune.record import Question
+
+FILES = ("README.md", "layout.txt", "model.yaml", "torchrun.sh", "megatron_args.sh", "torchtitan.toml",
+         "deepspeed.json", "deepspeed_notes.md")
+
+
+def exports(question: Question, layout_text: str) -> list[Export]:
+    t = target(question, layout_text)
+    return [megatron(t), torchtitan(t), deepspeed(t)]
+
+
+def write_best(folder: Path, question: Question, best) -> list[Path]:
+    """Write best/ for the recommended trial (a row of the trial table); returns the files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in FILES:  # a previous report's files, e.g. a DeepSpeed config that no longer applies
+        (folder / name).unlink(missing_ok=True)
+    t = target(question, best["layout"])
+    layout_txt, torchrun = runtime(t, question)
+    written = {"layout.txt": layout_txt, "torchrun.sh": torchrun,
+               "model.yaml": yaml.safe_dump(question.model, sort_keys=False)}
+    translations = exports(question, best["layout"])
+    for x in translations:
+        if x.content is not None:
+            written[x.filename] = x.content
+    deepspeed_export = translations[-1]
+    if deepspeed_export.content is not None:
+        written["deepspeed_notes.md"] = ("# deepspeed.json: how it maps\n\nJSON has no comments, so the mapping "
+                                         "of deepspeed.json is here.\n\n" + "\n".join(
+                                             comment_block(deepspeed_export.mappings, prefix="")) + "\n")
+    written["README.md"] = readme(t, best, translations)
+    for name, text in written.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    (folder / "torchrun.sh").chmod(0o755)
+    return [folder / name for name in written]
+
+
+def readme(t: Target, best, translations: list[Export]) -> str:
+    L = t.layout
+    figures = []
+    for key, label, pattern in (("tokens_per_s", "tokens/s", "{:,.0f}"), ("mfu", "MFU", "{:.1%}"),
+                                ("step_time_s", "step time (s)", "{:.3g}"), ("peak_mem_gb", "peak GiB", "{:.2f}"),
+                                ("exposed_comm_fraction", "exposed comm", "{:.0%}")):
+        value = best.get(key)
+        if value is not None and value == value:
+            figures.append(f"{label} {pattern.format(value)}")
+    lines = [f"# The recommended layout: {L.short()}", "",
+             f"{t.model.name} on {t.gpus} GPUs, trial {int(best['trial'])}: {', '.join(figures)}.", "",
+             f"    {L}", "",
+             "| file | what |", "|---|---|",
+             "| layout.txt | the layout string for `autotune trial --layout`, and the command |",
+             "| model.yaml | the model, so the commands here run as they are |",
+             "| torchrun.sh | the torchrun command for autotune's runtime (every setting exact) |"]
+    for x in translations:
+        lines.append(f"| {x.filename} | " + (f"{x.framework} settings |" if x.content is not None else
+                                             f"not written: {x.reason} |"))
+        if x.framework == "DeepSpeed" and x.content is not None:
+            lines.append("| deepspeed_notes.md | how deepspeed.json maps (JSON has no comments) |")
+    for x in translations:
+        lines += ["", f"## {x.framework} ({x.filename})", ""]
+        if x.content is None:
+            lines.append(f"Not written: {x.reason}.")
+            continue
+        lines += ["| ours | mapping | there | note |", "|---|---|---|---|"]
+        lines += [f"| `{mp.ours}` | {mp.status} | {('`' + mp.theirs + '`') if mp.theirs else '-'} | {mp.note} |"
+                  for mp in x.mappings]
+    return "\n".join(lines) + "\n"

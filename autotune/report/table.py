@@ -1,0 +1,65 @@
+"""trials.csv: one row per trial in every state, with stable columns (README, "Results").
+
+It is rewritten after every trial so an interrupted sweep still has it; the same
+table, with a few columns more, feeds the HTML report.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import optuna
+import pandas as pd
+from optuna.trial import TrialState
+
+from autotune.config import GIB
+from autotune.layout import KEYS, Layout, parse_layout
+from autotune.record import COMPLETE, FAILED, INTERRUPTED, PRUNED
+
+LAYOUT_COLUMNS = list(KEYS)
+CSV_COLUMNS = (["trial", "status", "reason"] + LAYOUT_COLUMNS +
+               ["grad_accum", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_mem_gb",
+                "predicted_peak_mem_gb", "comm_fraction", "exposed_comm_fraction", "predicted_tokens_per_s",
+                "duration_s", "error"])
+# Columns the HTML report uses besides the CSV's (not in the CSV: its columns are a contract).
+EXTRA_COLUMNS = ["layout", "layout_short", "value", "world_size", "predicted_step_time_s", "predicted_mfu",
+                 "predicted_comm_fraction", "stderr_tail"]
+STATE_STATUS = {TrialState.COMPLETE: COMPLETE, TrialState.PRUNED: PRUNED, TrialState.FAIL: FAILED,
+                TrialState.RUNNING: "running", TrialState.WAITING: "waiting"}
+
+
+def trial_table(study: optuna.Study) -> pd.DataFrame:
+    """Every trial with the CSV's columns and the report's extra ones."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        row = {"trial": t.number, "status": a.get("status") or STATE_STATUS[t.state],
+               "reason": a.get("reason") or (INTERRUPTED if t.state == TrialState.FAIL else None)}
+        row.update(parse_layout(a["layout"]) if "layout" in a else {})
+        for key in ("grad_accum", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "comm_fraction",
+                    "exposed_comm_fraction", "predicted_tokens_per_s", "duration_s", "error", "world_size",
+                    "predicted_step_time_s", "predicted_mfu", "predicted_comm_fraction", "stderr_tail"):
+            row[key] = a.get(key)
+        row["peak_mem_gb"] = a["peak_mem_bytes"] / GIB if a.get("peak_mem_bytes") is not None else None
+        predicted = a.get("predicted_peak_mem_bytes")
+        row["predicted_peak_mem_gb"] = predicted / GIB if predicted is not None else None
+        row["layout"] = a.get("layout")
+        row["layout_short"] = a.get("layout_short") or (
+            Layout(**parse_layout(a["layout"])).short() if "layout" in a else None)
+        row["value"] = t.value if t.state == TrialState.COMPLETE else None
+        rows.append(row)
+    return pd.DataFrame(rows, columns=CSV_COLUMNS + EXTRA_COLUMNS)
+
+
+def trial_rows(study: optuna.Study) -> pd.DataFrame:
+    return trial_table(study)[CSV_COLUMNS]
+
+
+def write_csv(study: optuna.Study, path: Path) -> pd.DataFrame:
+    """Write atomically (temp file + rename): a reader never sees half a CSV."""
+    frame = trial_rows(study)
+    tmp = path.with_suffix(".csv.tmp")
+    frame.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+    return frame
