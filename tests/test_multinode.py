@@ -11,14 +11,14 @@ import stat
 import sys
 import time
 
-import psutil
 import pytest
 
 from autotune.config import load_model
 from autotune.errors import UsageError
-from autotune.launch import Launcher, run_trial, trial_agents
+from autotune.launch import KILL_WAIT_S, Launcher, run_trial, trial_agents
 from autotune.trialspec import TrialSpec
-from numerics import assert_same_losses
+from support.numerics import assert_same_losses
+from support.processes import gone
 
 LAYOUT = "tp=2,pp=1,cp=1,ep=1,dp=2,dp_shard=2,zero=3,mbs=1,schedule=1f1b,vpp=1,recompute=none,sp=1"
 TWO_LOCAL_NODES = Launcher("torchrun", gpus_per_node=2, hosts=("localhost", "localhost"))
@@ -39,10 +39,6 @@ def test_two_node_trial_gives_the_losses_of_the_local_trial(tmp_path):
     assert_same_losses(local["losses"], two_nodes["losses"], "2 nodes x 2 vs 4 local processes")
 
 
-def processes_with(tag: str) -> list:
-    return [p for p in psutil.process_iter(["cmdline"]) if any(tag in part for part in (p.info["cmdline"] or []))]
-
-
 def test_timeout_kills_every_node(tmp_path, monkeypatch):
     # A rank of the second node hangs: the trial times out and both agents' trees are killed.
     monkeypatch.setenv("AUTOTUNE_FAULT", "hang rank=3 step=0")
@@ -50,9 +46,10 @@ def test_timeout_kills_every_node(tmp_path, monkeypatch):
     start = time.monotonic()
     record = run_trial(spec(seed=seed), 4, timeout_s=15, log_dir=tmp_path, launcher=TWO_LOCAL_NODES)
     assert (record["status"], record["reason"]) == ("failed", "timeout")
-    assert time.monotonic() - start < 60
-    time.sleep(0.5)
-    assert processes_with(f'"seed":{seed}') == []
+    # run_trial returns once the limit passed and every agent's tree is killed (kill_tree
+    # waits up to KILL_WAIT_S for each); what follows is reading the logs.
+    assert time.monotonic() - start < 15 + 2 * KILL_WAIT_S + 10
+    assert gone(f'"seed":{seed}')
 
 
 MARK = "fake-remote-agent-5150"
@@ -94,8 +91,9 @@ def test_remote_agents_start_over_ssh_and_are_killed_there(tmp_path, monkeypatch
     kills = [line for line in lines if "pkill" in line]
     assert len(starts) == 2 and len(kills) == 2
     rdzv_id = starts[0].split("--rdzv-id=")[1].split()[0]
-    assert kills == [f"-o BatchMode=yes {host} pkill -KILL -f -- '[-]-rdzv-id={rdzv_id}'" for host in ("gpu-a", "gpu-b")]
-    assert processes_with(MARK) == []  # the local ssh clients are gone too
+    assert kills == [f"-o BatchMode=yes {host} pkill -KILL -f -- '[-]-rdzv-id={rdzv_id}'"
+                     for host in ("gpu-a", "gpu-b")]
+    assert gone(MARK)  # the local ssh clients are gone too
 
 
 def test_too_few_hosts_is_bad_input():
