@@ -227,7 +227,8 @@ def reasonable_space(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[
             "cp": powers(min(gpus, 16, model.seq_len // 2)),
             "ep": powers(min(gpus, model.moe.num_experts)) if model.moe else [1],
             "dp_shard": ["dp"] + ([gpus_per_node] if gpus_per_node < gpus else []),
-            "zero": [0, 1, 2, 3], "mbs": [1, 2, 4], "recompute": ["none", "selective", "full"], "sp": [0, 1]}
+            "zero": [0, 1, 2, 3], "mbs": [1, 2, 4], "recompute": ["none", "selective", "op", "full"],
+            "recompute_layers": [0, 2, 4], "sp": [0, 1]}
     pipelined = [p for p in base["pp"] if p > 1]
     by_vpp: dict[tuple[int, ...], list[str]] = {}
     for schedule in SCHEDULES.values():

@@ -148,7 +148,7 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
 
     def layer(mlp_params: float) -> tuple[float, float, float]:
         matmul = 2 * tokens * (fig.attention / tp + mlp_params) / flops_per_s
-        recompute = {"none": 0.0, "selective": core, "full": matmul + core}[layout.recompute]
+        recompute = {"none": 0.0, "selective": core, "op": 0.0, "full": matmul + core}[layout.recompute]
         return matmul + core, matmul + 2 * core + recompute, matmul
 
     dense_layer, moe_layer = layer(fig.dense_mlp / tp), layer(fig.moe_active)
@@ -191,7 +191,7 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
         if cp > 1:
             work.add_comm("cp", layers * cp_forward, layers * cp_backward, total=layers * cp_volume)
         if a2a and shape.moe_layers:
-            again = {"none": 0.0, "selective": counts, "full": counts + 2 * a2a}[layout.recompute]
+            again = {"none": 0.0, "selective": 0.0, "op": counts, "full": counts + 2 * a2a}[layout.recompute]
             work.add_comm("ep", (counts + 2 * a2a) * shape.moe_layers, (2 * a2a + again) * shape.moe_layers)
         works.append(work)
     return works

@@ -21,9 +21,11 @@ from autotune.config import ModelConfig
 from autotune.errors import UsageError
 from autotune.schedules import DEFAULT_SCHEDULE, SCHEDULES
 
-RECOMPUTE = ("none", "selective", "full")
+# none; selective: the attention core (Megatron's selective); op: per-op (torchtitan's
+# selective op: keep matmul outputs, recompute the cheap ops); full: whole layers.
+RECOMPUTE = ("none", "selective", "op", "full")
 ZERO = (0, 1, 2, 3)
-INT_KEYS = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "vpp", "sp")
+INT_KEYS = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "vpp", "sp", "recompute_layers")
 STR_KEYS = ("schedule", "recompute")
 
 
@@ -41,6 +43,7 @@ class Layout:
     vpp: int = 1
     recompute: str = "none"
     sp: int = 0
+    recompute_layers: int = 0  # with recompute=full: the first K layers of each pipeline stage; 0 = all
 
     @property
     def world_size(self) -> int:
@@ -58,8 +61,10 @@ class Layout:
     def text(self) -> str:
         """Every key in order: the layout's name in studies and trial commands. Made once:
         samplers and the controller compare the names of every layout of a space on each
-        proposal."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        proposal. Keys added after the first release (LATER_KEYS) are left out at their
+        defaults, so a study written before them resumes with the same names."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if f.name not in LATER_KEYS or getattr(self, f.name) != f.default)
 
     def __str__(self) -> str:
         return self.text
@@ -78,7 +83,7 @@ class Layout:
             parts.append("sp")
         parts.append(f"mbs={self.mbs}")
         if self.recompute != "none":
-            parts.append(f"rc={self.recompute}")
+            parts.append(f"rc={self.recompute}" + (f":{self.recompute_layers}" if self.recompute_layers else ""))
         return " ".join(parts)
 
     def canonical(self) -> "Layout":
@@ -92,11 +97,14 @@ class Layout:
             changes.update(zero=2)  # under PP FSDP keeps parameters gathered through the step either way
         if self.tp == 1:
             changes.update(sp=0)
+        if self.recompute != "full":
+            changes.update(recompute_layers=0)
         return dataclasses.replace(self, **changes)
 
 
 # Every layout key, in the order of Layout's fields: the CSV's layout columns.
 KEYS = tuple(f.name for f in dataclasses.fields(Layout))
+LATER_KEYS = ("recompute_layers",)
 assert set(KEYS) == set(INT_KEYS + STR_KEYS)
 
 
@@ -135,6 +143,8 @@ def resolve(given: dict | str, model: ModelConfig, gpus: int, gpus_per_node: int
     for key in ("tp", "pp", "cp", "ep", "dp", "dp_shard", "mbs", "vpp"):
         if key in given and given[key] < 1:
             raise UsageError(f"layout.{key}: must be >= 1, got {given[key]}")
+    if given.get("recompute_layers", 0) < 0:
+        raise UsageError(f"layout.recompute_layers: must be >= 0, got {given['recompute_layers']}")
     if gpus < 1:
         raise UsageError(f"gpus: must be >= 1, got {gpus}")
     tp, pp, cp = given.get("tp", 1), given.get("pp", 1), given.get("cp", 1)
@@ -166,6 +176,9 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
         raise UsageError(f"layout.sp: must be 0 or 1, got {L.sp}")
     if L.recompute not in RECOMPUTE:
         raise UsageError(f"layout.recompute: must be one of {', '.join(RECOMPUTE)}, got {L.recompute!r}")
+    if L.recompute_layers and L.recompute != "full":
+        raise UsageError(f"layout.recompute_layers: recomputes the first K layers of each stage in full, so it "
+                         f"needs recompute=full, got recompute={L.recompute}")
     if L.schedule not in SCHEDULES:
         raise UsageError(f"layout.schedule: must be one of {', '.join(SCHEDULES)}, got {L.schedule!r}")
     schedule = SCHEDULES[L.schedule]
@@ -193,6 +206,10 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
                          f"must be at least pp*vpp ({stages})")
     if L.pp == 1 and L.vpp > 1:
         raise UsageError("layout.vpp: virtual stages need pp > 1")
+    if L.recompute_layers and L.recompute_layers * stages >= m.num_layers:
+        raise UsageError(f"layout.recompute_layers: the first K layers of each of the {stages} stages, so K "
+                         f"({L.recompute_layers}) must be below num_layers / (pp*vpp) = {m.num_layers}/{stages}; "
+                         f"recompute_layers=0 recomputes every layer")
     if L.pp > 1 and (problem := schedule.vpp_error(L.vpp)):
         raise UsageError(f"layout.vpp: schedule {L.schedule} {problem}")
     # Expert parallel: experts split evenly over EP ranks carved from dp_shard x cp.

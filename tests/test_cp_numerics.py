@@ -35,7 +35,7 @@ def test_cp4_cp2_x_tp2_cp2_x_dp2_and_cp2_x_pp2(reference):
     that hold the same heads; cp x dp averages gradients over all four ranks; under
     pp=2 each stage rings over its own cp group, and the stages pass head-tail shards."""
     layouts = [full(text, 4) for text in (
-        "cp=4,mbs=8", "cp=2,tp=2,mbs=8", "cp=2,tp=2,sp=1,recompute=selective,mbs=16",
+        "cp=4,mbs=8", "cp=2,tp=2,mbs=8", "cp=2,tp=2,sp=1,recompute=op,mbs=16",
         "cp=2,dp=2,zero=0,mbs=4", "cp=2,dp=2,zero=3,mbs=8",
         "cp=2,pp=2,schedule=1f1b,mbs=4", "cp=2,pp=2,schedule=zbv,vpp=2,mbs=4")]
     assert_same_training(reference, run_layouts(4, layouts, with_params=True))

@@ -38,7 +38,7 @@ def two_ranks(reference):
     layouts = [full(text, 2) for text in (
         "zero=0,mbs=8", "zero=3,mbs=4", "pp=2,schedule=1f1b,mbs=4",  # MoE without expert parallel
         "ep=2,zero=0,mbs=8", "ep=2,zero=3,mbs=2", "ep=2,zero=3,recompute=full,mbs=8",
-        "ep=2,zero=2,recompute=selective,mbs=8")]
+        "ep=2,zero=2,recompute=op,mbs=8")]
     return run_layouts(2, layouts, model="tiny-moe", with_params=True)
 
 

@@ -430,7 +430,9 @@ def test_every_layout_ranked_fitting_first_then_by_tokens_per_second():
     llama_8b = load_model("llama3-8b")
     layouts = every_layout(llama_8b, 16, 8)
     assert {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"} <= {l.schedule for l in layouts}
-    assert {l.zero for l in layouts} == {0, 1, 2, 3} and {l.recompute for l in layouts} == {"none", "selective", "full"}
+    assert {l.zero for l in layouts} == {0, 1, 2, 3}
+    assert {l.recompute for l in layouts} == {"none", "selective", "op", "full"}
+    assert {l.recompute_layers for l in layouts} == {0, 2, 4}
     assert max(l.tp for l in layouts) == 8 and max(l.cp for l in layouts) > 1 and any(l.sp for l in layouts)
     assert any(l.dp_shard < l.dp for l in layouts)
     ranked = rank_estimates([estimate(llama_8b, l, H100, 80 * GIB) for l in layouts])

@@ -59,7 +59,7 @@ def test_parse_errors(text, message):
     ("pp=2,schedule=zbv", 2, r"layout.vpp: schedule zbv runs two stages per rank, so vpp must be 2"),
     ("vpp=2", 1, r"layout.vpp: virtual stages need pp > 1"),
     ("pp=2,schedule=wavy", 2, r"layout.schedule: must be one of gpipe, 1f1b"),
-    ("recompute=some", 1, r"layout.recompute: must be one of none, selective, full, got 'some'"),
+    ("recompute=some", 1, r"layout.recompute: must be one of none, selective, op, full, got 'some'"),
     ("mbs=3", 2, r"layout.mbs: global_batch_size \(16\) must divide by mbs\*dp \(3\*2\)"),
     ("ep=2", 2, r"layout.ep: expert parallel needs an MoE model"),
 ])

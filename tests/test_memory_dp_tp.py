@@ -36,9 +36,9 @@ def test_zero_and_tp_shard_state_at_4_ranks():
 
 def test_recompute_and_sequence_parallel_hold_fewer_activations():
     """Activations held at the end of a micro-batch's forward, per rank, 2 ranks.
-    Measured on tiny: selective 0.62 of none, full 0.13; sp=1 0.83 of sp=0 at tp=2."""
+    Measured on tiny: op 0.62 of none, full 0.13; sp=1 0.83 of sp=0 at tp=2."""
     layouts = [full(text, 2) for text in (
-        "recompute=none", "recompute=selective", "recompute=full", "tp=2", "tp=2,sp=1", "tp=2,sp=1,recompute=full")]
+        "recompute=none", "recompute=op", "recompute=full", "tp=2", "tp=2,sp=1", "tp=2,sp=1,recompute=full")]
     for none, selective, whole, tp2, tp2_sp, tp2_sp_full in run_on_ranks(2, activation_bytes, layouts):
         assert whole <= 0.25 * none
         assert whole < selective <= 0.75 * none

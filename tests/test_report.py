@@ -27,7 +27,8 @@ from support.report_study import OUTCOMES, make_study, question
 
 # The CSV's columns are a contract (README, "Results"): written out here, not imported.
 CSV_COLUMNS = ["trial", "status", "reason", "tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "schedule",
-               "vpp", "recompute", "sp", "grad_accum", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s",
+               "vpp", "recompute", "sp", "recompute_layers", "grad_accum", "tokens_per_s", "tokens_per_s_per_gpu",
+               "mfu", "step_time_s",
                "peak_mem_gb", "predicted_peak_mem_gb", "comm_fraction", "exposed_comm_fraction",
                "predicted_tokens_per_s", "duration_s", "error"]
 

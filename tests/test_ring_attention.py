@@ -1,7 +1,7 @@
 """The attention kernels: the fused ops and their log-sum-exp against the plain math,
 head-tail sharding, and ring attention against full attention on real gloo groups
 (forward, backward, GQA, causal and not), with the attention work of each rank
-counted, and activation checkpointing keeping the ring whole under selective recompute."""
+counted, and activation checkpointing keeping the ring whole under op recompute."""
 
 import pytest
 import torch

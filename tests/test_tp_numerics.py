@@ -21,7 +21,8 @@ def full(text: str, gpus: int) -> str:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_layouts(1, [full("", 1), full("recompute=selective,mbs=4", 1), full("recompute=full,mbs=4", 1)],
+    return run_layouts(1, [full("", 1), full("recompute=selective,mbs=4", 1), full("recompute=op,mbs=4", 1),
+                           full("recompute=full,mbs=4", 1), full("recompute=full,recompute_layers=3,mbs=2", 1)],
                        with_params=True)
 
 
@@ -42,7 +43,7 @@ def test_tp4_with_and_without_sp_and_dp2_x_tp2(reference):
     """tp=4 leaves one of tiny's 4 kv heads (and 2 of its 8 query heads) on each rank."""
     layouts = [full(text, 4) for text in (
         "tp=4,mbs=8", "tp=4,sp=1,mbs=16", "dp=2,tp=2,zero=0,mbs=8",
-        "dp=2,tp=2,zero=1,sp=1,recompute=selective,mbs=8", "dp=2,tp=2,zero=3,sp=1,recompute=full,mbs=4")]
+        "dp=2,tp=2,zero=1,sp=1,recompute=op,mbs=8", "dp=2,tp=2,zero=3,sp=1,recompute=full,mbs=4")]
     assert_same_training(reference[0], run_layouts(4, layouts, with_params=True))
 
 

@@ -6,6 +6,7 @@ table, with a few columns more, feeds the HTML report.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def trial_table(study: optuna.Study) -> pd.DataFrame:
         a = t.user_attrs
         row = {"trial": t.number, "status": a.get("status") or STATE_STATUS[t.state],
                "reason": a.get("reason") or (INTERRUPTED if t.state == TrialState.FAIL else None)}
-        row.update(parse_layout(a["layout"]) if "layout" in a else {})
+        # Every key, those a layout string leaves at their defaults too (layout.LATER_KEYS).
+        row.update(dataclasses.asdict(Layout(**parse_layout(a["layout"]))) if "layout" in a else {})
         for key in ("grad_accum", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "comm_fraction",
                     "exposed_comm_fraction", "predicted_tokens_per_s", "duration_s", "error", "world_size",
                     "predicted_step_time_s", "predicted_mfu", "predicted_comm_fraction", "stderr_tail"):

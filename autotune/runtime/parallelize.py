@@ -45,7 +45,7 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
         apply_expert_parallel(stage, mesh["ep"])
     if mesh.dims.cp_enabled:
         apply_context_parallel(stage, mesh["cp"], stage.cfg.seq_len)
-    apply_recompute(stage, layout.recompute)
+    apply_recompute(stage, layout.recompute, layout.recompute_layers)
     apply_data_parallel(stage, mesh, layout, mp_policy)
 
 

@@ -52,14 +52,14 @@ def figures(q: dict, model: ModelConfig, layout: Layout) -> dict:
     # bf16 params + grads (4 B) and fp32 master + Adam (12 B) per parameter, sharded as zero says.
     static = P / (L.tp * L.pp) * (16 / shard if L.zero == 3 else 4 + 12 / shard)
     per_layer = L.mbs * seq * h * 34 / (L.tp if L.sp else 1) / L.cp
-    per_layer *= {"none": 1.0, "selective": 0.55, "full": 0.08}[L.recompute]
+    per_layer *= {"none": 1.0, "selective": 0.55, "op": 0.5, "full": 0.08}[L.recompute]
     in_flight = min(L.pp, grad_accum) if L.pp > 1 else 1
     peak = static + per_layer * model.num_layers / L.pp * in_flight + 2.0 * GB
     bubble = (L.pp - 1) / (grad_accum + L.pp - 1) / (L.vpp if L.vpp > 1 else 1)
     exposed = 0.04 + 0.05 * math.log2(L.tp) + 0.06 * math.log2(L.cp) + (0.08 if L.zero == 3 else 0.0) \
         + 0.12 / L.mbs * (L.tp > 2)
     comm = min(0.9, exposed * 1.9 + 0.05)
-    mfu = 0.55 * (1 - bubble) * (1 - exposed) * {"none": 1.0, "selective": 0.95, "full": 0.78}[L.recompute]
+    mfu = 0.55 * (1 - bubble) * (1 - exposed) * {"none": 1.0, "selective": 0.97, "op": 0.95, "full": 0.78}[L.recompute]
     mfu *= 1 - 0.02 * (random.Random(str(L)).random())  # a little noise, fixed per layout
     peak_flops = q["hardware"]["peak_tflops"] * 1e12
     tokens = mfu * L.world_size * peak_flops / model.flops_per_token()

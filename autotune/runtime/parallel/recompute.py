@@ -1,25 +1,27 @@
 """Activation recompute (checkpointing): keep fewer activations, recompute them in backward.
 
     none       every activation the backward needs is kept from the forward.
-    selective  each block is checkpointed with an op policy (torch's selective activation
-               checkpoint): the outputs of the matmuls (the experts' grouped ones
-               too), of fused attention kernels (context parallel's ring attention
-               included, as one kernel whose transfers are not replayed), of the
-               collectives that end a tensor-parallel half (all-reduce, reduce-scatter)
-               and of expert parallel's token all-to-alls are kept; everything else
-               (RMSNorm, RoPE, SiLU and gating, casts, the router's softmax) is
-               recomputed from them in backward. Those element-wise ops cost few FLOPs
-               but hold much of a block's activation memory (about 40% on the tiny
-               preset, measured by the tests). Sequence-parallel all-gathers are
-               recomputed (one more all-gather per half), as in Megatron. Attention
-               without a fused kernel (the math path) is recomputed too, which drops
-               its seq^2 scores: Megatron's "selective" recompute.
+    selective  the attention core of each block is recomputed (Megatron's selective
+               recompute): its inputs q, k, v are kept and it runs again in backward.
+               With a fused attention kernel that drops only what the kernel keeps of
+               its own (the log-sum-exp and, on the math path, the seq^2 scores); under
+               context parallel the ring runs again, its KV blocks passing round once more.
+    op         per-op (torchtitan's selective "op" checkpointing): each block is
+               checkpointed with an op policy (torch's selective activation checkpoint):
+               the outputs of the matmuls (the experts' grouped ones too), of fused
+               attention kernels (context parallel's ring attention included, as one
+               kernel whose transfers are not replayed), of the collectives that end a
+               tensor-parallel half (all-reduce, reduce-scatter) and of expert parallel's
+               token all-to-alls are kept; everything else (norms, RoPE, SiLU and gating,
+               casts, the router's softmax) is recomputed from them in backward.
+               Sequence-parallel all-gathers are recomputed (one more all-gather per half).
     full       each transformer block is recomputed from its input: a block keeps one
                [batch, seq, hidden] tensor (seq/tp with sequence parallel) instead of all
-               its intermediates, for about one more forward of the whole model
-               (~1/3 more compute).
+               its intermediates, for about one more forward of the whole model. With
+               recompute_layers K, only the first K blocks of each pipeline stage (of the
+               model without PP), Megatron's `--recompute-method block`.
 
-MoE blocks under selective recompute are checkpointed by parts instead (attention_norm,
+MoE blocks under op recompute are checkpointed by parts instead (attention_norm,
 attention, mlp_norm, the routed experts, the shared experts), the router's glue
 (softmax, top-k, permutation) running outside: under expert parallel the experts are
 an FSDP unit of their own, and an FSDP unit inside a selectively checkpointed region
@@ -28,8 +30,7 @@ different work in recompute). The experts' own wrapper becomes their FSDP unit, 
 FSDP's hooks stay outside it, as they do for a dense block.
 
 Applied after tensor and context parallel (so the recomputed code is the parallel
-code, collectives included; under full recompute CP's ring attention runs again, its
-KV blocks passing round the ring once more) and before FSDP (so FSDP's hooks see the
+code, collectives included) and before data parallel (so FSDP's hooks see the
 checkpointed block as one unit). The wrappers are torch's non-reentrant
 `checkpoint_wrapper`; they add `_checkpoint_wrapped_module.` to parameter names,
 which init and the tests strip.
@@ -48,7 +49,7 @@ from autotune.runtime.torch_compat import checkpoint_wrapper
 from autotune_kernels.attention import RING_ATTENTION_OP
 
 aten = torch.ops.aten
-# The ops whose outputs selective recompute keeps.
+# The ops whose outputs op recompute keeps.
 SAVED_OPS = {
     aten.mm.default,
     aten._grouped_mm.default,  # the MoE experts' grouped matmuls
@@ -67,15 +68,22 @@ def keep_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Wrap each block of `model` in place; `mode` is a layout's `recompute`, already checked."""
+def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> None:
+    """Wrap the blocks of `model` (a whole model or one pipeline stage) in place; `mode` and
+    `layers` are a layout's recompute and recompute_layers, already checked."""
     if mode == "none":
         return
     options = {"preserve_rng_state": False}  # the model has no dropout: nothing random to replay
     if mode == "selective":
+        for block in model.layers.values():
+            block.attention.core = checkpoint_wrapper(block.attention.core, **options)
+        return
+    if mode == "op":
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_expensive_ops)
-    for name, block in list(model.layers.items()):
-        if mode == "selective" and isinstance(block.mlp, MoE):
+    names = list(model.layers)[:layers] if layers else list(model.layers)
+    for name in names:
+        block = model.layers[name]
+        if mode == "op" and isinstance(block.mlp, MoE):
             for part in ("attention_norm", "attention", "mlp_norm"):
                 setattr(block, part, checkpoint_wrapper(getattr(block, part), **options))
             block.mlp.experts = checkpoint_wrapper(block.mlp.experts, **options)
