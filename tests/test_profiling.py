@@ -6,10 +6,10 @@ import statistics
 
 import pytest
 
+from autotune.runtime.memory import MemoryEvent, levels, rank_peak, step_peaks
 from autotune.runtime.profiling import (
     STEP_EVENT,
     Event,
-    allocation_peak,
     analyze,
     compute_intervals,
     intersect,
@@ -85,19 +85,19 @@ def test_gloo_threads_are_merged_clipped_to_steps_and_exposed_where_no_compute_r
         # compute on the main thread hides [40, 60) of the first collective
         cpu("aten::mm", MAIN, 40, 90),
     ]
-    figures = analyze(events, peak_mem_bytes=7, resident_mem_bytes=3)
+    figures = analyze(events, step_peak_mem_bytes=[7, 9, 5], resident_mem_bytes=3)
     assert figures.step_times_s == [100e-9, 100e-9]
     assert figures.comm_s == pytest.approx((50 + 20) * 1e-9)
     assert figures.exposed_comm_s == pytest.approx((30 + 20) * 1e-9)
     assert figures.comm_fraction == pytest.approx(70 / 200)
     assert figures.exposed_comm_fraction == pytest.approx(50 / 200)
-    assert (figures.peak_mem_bytes, figures.resident_mem_bytes) == (7, 3)
+    assert (figures.peak_mem_bytes, figures.resident_mem_bytes) == (7, 3)  # the median step's peak
 
 
 def test_point_to_point_is_communication_on_a_thread_that_still_computes():
     # gloo:send/recv sit on the thread that posted them and end when the transfer does.
     events = [step(0, 100), cpu("gloo:recv", MAIN, 0, 60, "user_annotation"), cpu("aten::mm", MAIN, 10, 50)]
-    figures = analyze(events, 0, 0)
+    figures = analyze(events, [0], 0)
     assert figures.comm_s == pytest.approx(60e-9)
     assert figures.exposed_comm_s == pytest.approx(20e-9)
 
@@ -109,7 +109,7 @@ def test_waiting_inside_an_operator_is_not_compute():
               cpu("_c10d_functional::wait_tensor", MAIN, 12, 60),
               cpu("gloo:all_gather", GLOO_A, 11, 58, "user_annotation")]
     assert compute_intervals(events) == [(0, 10), (60, 100)]
-    assert analyze(events, 0, 0).exposed_comm_s == pytest.approx(47e-9)
+    assert analyze(events, [0], 0).exposed_comm_s == pytest.approx(47e-9)
 
 
 def test_nccl_kernels_are_communication_and_other_kernels_compute():
@@ -119,18 +119,44 @@ def test_nccl_kernels_are_communication_and_other_kernels_compute():
               gpu("ampere_sgemm_128x64_tn", 10, 50),
               gpu("Memcpy DtoD (Device -> Device)", 50, 90, kind="gpu_memcpy"),
               gpu(STEP_EVENT, 0, 100, kind="gpu_user_annotation")]
-    figures = analyze(events, 0, 0)
+    figures = analyze(events, [0], 0)
     assert figures.comm_s == pytest.approx(60e-9)
     assert figures.exposed_comm_s == pytest.approx(30e-9)
     assert figures.step_times_s == [100e-9]
 
 
-def test_allocation_peak_counts_only_blocks_allocated_in_the_window():
-    allocations = [(1, 0xA, 100), (2, 0xB, 50), (3, 0xA, -100), (4, 0xC, -999),  # 0xC: from before
-                   (5, 0xA, 30), (6, 0xD, 200), (7, 0xD, -200), (8, 0xB, -50)]
-    assert allocation_peak(allocations) == 280  # 50 + 30 + 200 at time 6
-    assert allocation_peak(list(reversed(allocations))) == 280  # read in time order
-    assert allocation_peak([]) == 0
+def memory_stream(*changes):
+    """MemoryEvents from (time, size, ptr, scratch) with the allocator's running total,
+    starting from 1000 resident bytes; a size of None is a free the profiler did not record
+    (its bytes leave the total, no event is made)."""
+    events, total = [], 1000
+    for time_ns, size, ptr, scratch in changes:
+        total += size if size is not None else 0
+        if isinstance(ptr, int):
+            events.append(MemoryEvent(time_ns, total, size, ptr, scratch))
+    return events
+
+
+def test_the_level_is_the_allocators_total_less_a_backends_scratch():
+    events = memory_stream((1, 100, 0xA, False), (2, 50, 0xB, True), (3, -50, 0xB, True),  # closed scratch
+                           (4, 70, 0xC, True),  # scratch freed where the profiler could not see: kept
+                           (5, -100, 0xA, False), (6, 30, 0xD, False))
+    timeline = levels(events, start_level=1000)
+    assert [level for _, level in timeline] == [1100, 1100, 1100, 1170, 1070, 1100]
+    assert levels([], 1000) == []
+
+
+def test_a_free_the_profiler_did_not_record_still_lowers_the_level():
+    # 0xA's free happens on a thread without the profiler (no event); the total shows it.
+    events = [MemoryEvent(1, 1100, 100, 0xA, False), MemoryEvent(3, 1100, 100, 0xB, False)]  # 0xA gone at 2
+    assert [level for _, level in levels(events, 1000)] == [1100, 1100]
+
+
+def test_each_step_peaks_inside_its_span_and_a_rank_takes_the_median():
+    timeline = [(1, 1100), (2, 1050), (12, 1300), (14, 1000), (22, 1040)]
+    assert step_peaks(timeline, [(0, 10), (10, 20), (20, 30), (30, 40)], start_level=1000) == [1100, 1300, 1040, 1040]
+    assert rank_peak([1100, 1300, 1040, 1040, 1100]) == 1100
+    assert rank_peak([]) == 0
 
 
 # -- synthetic workloads on two gloo ranks ------------------------------------------------------
@@ -152,6 +178,7 @@ CASES = {
     "allocate": (workloads.allocate, {}),
     "allocate_extra": (workloads.allocate, {"extra_bytes": EXTRA}),
     "allocate_resident": (workloads.allocate, {"resident_bytes": RESIDENT}),
+    "freed_elsewhere": (workloads.freed_elsewhere, {}),
 }
 
 
@@ -236,3 +263,13 @@ def test_a_known_extra_tensor_raises_the_peak_by_its_size(measured):
         assert resident["resident_mem_bytes"] - base["resident_mem_bytes"] == pytest.approx(RESIDENT, rel=0.05)
         # the step's own temporaries: x and y, 4 MiB each, alive together
         assert base["peak_mem_bytes"] - base["resident_mem_bytes"] == pytest.approx(8 << 20, rel=0.05)
+        assert base["memory_source"] == "allocator" and len(base["step_peak_mem_bytes"]) == STEPS
+
+
+def test_a_tensor_freed_on_another_thread_is_freed_for_the_peak(measured):
+    """The profiler records no event for a free on a thread it does not trace (gloo's worker
+    dropping a finished collective's buffer); the allocator's total still falls, so the
+    second 4 MiB tensor does not stack on the first."""
+    for r in measured["freed_elsewhere"]:
+        assert r["peak_mem_bytes"] - r["resident_mem_bytes"] == pytest.approx(4 << 20, rel=0.05)
+        assert len(set(r["step_peak_mem_bytes"])) == 1  # and it does not grow from step to step

@@ -19,29 +19,24 @@ warm-up and records the last `steps` on every rank. From the recorded events:
   inside its own `aten::` event); on a GPU, every kernel that is not NCCL's;
 - exposed communication: communication not overlapped by compute.
 
-Peak memory is bytes of live tensors, not process RSS. CUDA: the caching allocator's
-`max_memory_allocated` over the measured steps. CPU: the tensors alive when measuring
-starts (every storage Python can reach, each counted once) plus the highest running
-sum of the profiler's memory events in the measured steps (an allocation adds its
-bytes, the free of a block allocated in that window subtracts them). A tensor alive
-at the start therefore counts for the whole window even if freed inside it; between
-two training steps that is the persistent state (weights, optimizer state).
+Peak memory is bytes of live tensors, not process RSS, defined and measured in
+runtime/memory.py: per measured step, the allocator's highest level; per rank, the
+median over the steps.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from autotune.runtime.torch_compat import ProfilerEventType, is_traceable_wrapper_subclass
+from autotune.runtime.memory import levels, live_tensor_bytes, memory_events, rank_peak, step_peaks
 
 STEP_EVENT = "autotune.step"
 GLOO_PREFIX = "gloo:"
@@ -156,65 +151,11 @@ def compute_intervals(events: list[Event]) -> list[Interval]:
     """GPU: non-NCCL kernels. CPU: aten operators off gloo's worker threads, minus the
     blocking communication calls on those threads."""
     kernels = [e.interval for e in events if e.device == "cuda" and e.kind == "kernel" and not is_communication(e)]
-    gloo_workers = {e.thread for e in events if e.device == "cpu" and e.name.startswith(GLOO_PREFIX)
-                    and e.name not in GLOO_POINT_TO_POINT}
+    gloo_workers = gloo_worker_threads(events)
     on_compute_threads = [e for e in events if e.device == "cpu" and e.thread not in gloo_workers]
     operators = union(e.interval for e in on_compute_threads if e.name.startswith("aten::"))
     blocking = union(e.interval for e in on_compute_threads if e.name.startswith(BLOCKING_COMM_PREFIXES))
     return union(kernels + subtract(operators, blocking))
-
-
-# -- memory ------------------------------------------------------------------------------------
-
-def allocation_peak(allocations: list[tuple[int, int, int]]) -> int:
-    """Highest running sum of bytes allocated in the window and not yet freed.
-
-    allocations: (time_ns, ptr, bytes) with bytes < 0 for a free, as the profiler reports
-    them. The free of a block allocated before the window is ignored (it was counted in
-    the tensors alive at the start, which this does not see)."""
-    live: dict[int, int] = {}
-    current = peak = 0
-    for _, ptr, size in sorted(allocations, key=lambda a: a[0]):
-        if size > 0:
-            live[ptr] = size
-            current += size
-            peak = max(peak, current)
-        elif ptr in live:
-            current -= live.pop(ptr)
-    return peak
-
-
-def profiler_allocations(result, device_type: str) -> list[tuple[int, int, int]]:
-    """(time_ns, ptr, bytes) of every allocation and free the profiler saw on that device type."""
-    out, stack = [], list(result.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == ProfilerEventType.Allocation:
-            fields = node.extra_fields
-            if fields.device.type == device_type:
-                out.append((node.start_time_ns, fields.ptr, fields.alloc_size))
-    return out
-
-
-def live_tensor_bytes(device: torch.device) -> int:
-    """Bytes of the storages of every tensor on `device` that Python can reach, each once.
-
-    Wrapper subclasses (DTensor) own no storage; their local tensors are found on their own."""
-    gc.collect()
-    storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor) or is_traceable_wrapper_subclass(obj):
-            continue
-        if obj.device.type != device.type or obj.layout != torch.strided:
-            continue
-        try:
-            storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage of its own (a functional or fake tensor)
-            continue
-        if storage.nbytes():
-            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
-    return sum(storages.values())
 
 
 # -- one rank's figures ------------------------------------------------------------------------
@@ -226,8 +167,10 @@ class RankFigures:
     step_times_s: list[float]
     comm_s: float  # union of communication intervals inside the steps
     exposed_comm_s: float  # the part of it not overlapped by compute
-    peak_mem_bytes: int
+    peak_mem_bytes: int  # the median of step_peak_mem_bytes (runtime/memory.py)
     resident_mem_bytes: int  # tensors alive when measuring started
+    step_peak_mem_bytes: list[int] = field(default_factory=list)
+    memory_source: str = ""  # allocator (CPU running total), allocator statistics (CUDA), profiler events
     trace_file: str | None = None
 
     @property
@@ -243,15 +186,25 @@ class RankFigures:
         return self.exposed_comm_s / self.measured_s
 
 
-def analyze(events: list[Event], peak_mem_bytes: int, resident_mem_bytes: int) -> RankFigures:
-    """Step times and (exposed) communication time of one rank's recorded events."""
+def analyze(events: list[Event], step_peak_mem_bytes: list[int], resident_mem_bytes: int,
+            memory_source: str = "") -> RankFigures:
+    """Step times and (exposed) communication time of one rank's recorded events, with the
+    memory figures measured beside them."""
     steps = step_spans(events)
     in_steps = union(steps)
     comm = intersect(communication_intervals(events), in_steps)
     exposed = subtract(comm, compute_intervals(events))
     return RankFigures(step_times_s=[(end - start) / 1e9 for start, end in steps],
                        comm_s=total(comm) / 1e9, exposed_comm_s=total(exposed) / 1e9,
-                       peak_mem_bytes=peak_mem_bytes, resident_mem_bytes=resident_mem_bytes)
+                       peak_mem_bytes=rank_peak(step_peak_mem_bytes), resident_mem_bytes=resident_mem_bytes,
+                       step_peak_mem_bytes=list(step_peak_mem_bytes), memory_source=memory_source)
+
+
+def gloo_worker_threads(events: list[Event]) -> set[int]:
+    """The threads gloo runs its collectives on (point-to-point transfers show on the
+    thread that posted them, which computes too)."""
+    return {e.thread for e in events if e.device == "cpu" and e.name.startswith(GLOO_PREFIX)
+            and e.name not in GLOO_POINT_TO_POINT}
 
 
 # -- the profiler around a training loop -------------------------------------------------------
@@ -301,17 +254,21 @@ class StepProfiler:
 
     The profiler's own warm-up (tracing set up, events dropped) is the last warm-up step,
     so that starting the tracer costs no measured step. Memory events are recorded on
-    the CPU only; CUDA has allocator statistics.
+    the CPU only; CUDA has allocator statistics. `allocator_tracked`: whether the CPU
+    allocator counts every thread's allocations (torch_compat.track_cpu_allocations,
+    turned on before the model was built); see runtime/memory.py.
     """
 
-    def __init__(self, device: torch.device, warmup: int, steps: int, trace_file: str | None = None):
+    def __init__(self, device: torch.device, warmup: int, steps: int, trace_file: str | None = None,
+                 allocator_tracked: bool = False):
         self.device, self.warmup, self.steps, self.trace_file = device, warmup, steps, trace_file
+        self.allocator_tracked = allocator_tracked
         self.figures: RankFigures | None = None
         self.events: list[Event] = []  # what the figures were computed from
         self._done = 0
         self._failing = False
         self._resident = 0
-        self._cuda_peak = 0
+        self._cuda_step_peaks: list[int] = []
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with warnings.catch_warnings():  # "won't be using warmup": intended when warmup is 0
             warnings.simplefilter("ignore")
@@ -335,34 +292,42 @@ class StepProfiler:
     def step(self):
         """One training step: timed between two device synchronisations."""
         synchronize(self.device)
+        measured = self._done >= self.warmup
+        if measured and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         with record_function(STEP_EVENT):
             yield
             synchronize(self.device)
-        if self.device.type == "cuda" and self._done == self.warmup + self.steps - 1:
-            self._cuda_peak = torch.cuda.max_memory_allocated(self.device)
+        if measured and self.device.type == "cuda":
+            self._cuda_step_peaks.append(torch.cuda.max_memory_allocated(self.device))
         self._done += 1
         self._profiler.step()  # after the last measured step this stops and analyses
         if self._done == self.warmup:
             self._start_measuring()
 
     def _start_measuring(self) -> None:
-        """The recording has just begun: note what is resident and reset the peak."""
+        """The recording has just begun: note what is resident."""
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
             self._resident = torch.cuda.memory_allocated(self.device)
-        else:
+        elif not self.allocator_tracked:
             self._resident = live_tensor_bytes(self.device)
 
     def _trace_ready(self, prof) -> None:
         if self._failing:
             return
         result = prof.profiler.kineto_results
-        if self.device.type == "cuda":
-            peak = self._cuda_peak
-        else:
-            peak = self._resident + allocation_peak(profiler_allocations(result, "cpu"))
         self.events = read_events(result)
-        self.figures = analyze(self.events, peak, self._resident)
+        if self.device.type == "cuda":
+            peaks, resident, source = self._cuda_step_peaks, self._resident, "allocator statistics"
+        else:
+            memory = memory_events(result, gloo_worker_threads(self.events))
+            resident = self._resident
+            if self.allocator_tracked and memory:
+                resident = memory[0].total - memory[0].size
+            timeline = levels(memory, resident)
+            peaks = step_peaks(timeline, step_spans(self.events), resident)
+            source = "allocator" if self.allocator_tracked else "profiler events"
+        self.figures = analyze(self.events, peaks, resident, source)
         if len(self.figures.step_times_s) != self.steps:
             raise RuntimeError(f"StepProfiler: recorded {len(self.figures.step_times_s)} steps, "
                                f"expected {self.steps}")

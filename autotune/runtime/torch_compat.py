@@ -6,6 +6,11 @@ and nothing else. Each entry says what it is for.
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
+
+import torch
 from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401 (zero 0/1)
 from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: F401 (EP's token exchange)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: F401 (recompute)
@@ -18,6 +23,22 @@ try:  # the profiler's event-tree node kinds (allocation records)
     from torch._C._profiler import _EventType as ProfilerEventType
 except ImportError:  # pragma: no cover - older layouts of the module
     from torch.profiler._utils import _EventType as ProfilerEventType  # noqa: F401
+
+
+# -- CPU memory accounting (runtime/memory.py) --------------------------------------------------
+
+def track_cpu_allocations() -> bool:
+    """Turn on c10's `caffe2_report_cpu_memory_usage`, so that the CPU allocator counts every
+    allocation and free on every thread in the running total the profiler's memory events
+    carry; False where this torch build's c10 library does not export the flag."""
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")):
+        try:
+            flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+        flag.value = True
+        return True
+    return False
 
 
 # -- DeviceMesh: named views of the root mesh (runtime/mesh.py) -------------------------------

@@ -35,12 +35,14 @@ from autotune.runtime.parallel.ep import token_imbalance
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.peak_flops import peak_flops
 from autotune.runtime.profiling import StepProfiler, StepTimer
+from autotune.runtime.torch_compat import track_cpu_allocations
 from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, die_with_parent
 
 # Figures only the profiler measures, with their per-rank and mean forms, and the
 # resident bytes behind the peak.
 UNMEASURED_WITHOUT_PROFILER = tuple(f"{name}{suffix}" for name in PROFILED_METRICS
-                                    for suffix in ("", "_mean", "_per_rank")) + ("resident_mem_bytes_per_rank",)
+                                    for suffix in ("", "_mean", "_per_rank")) + (
+    "resident_mem_bytes_per_rank", "step_peak_mem_bytes_per_rank", "memory_source")
 
 
 def trial_device(spec: TrialSpec) -> torch.device:
@@ -82,6 +84,8 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     layout = resolve(spec.layout, cfg, dist.get_world_size())
     device = trial_device(spec)
     budget = memory_budget(spec, device)
+    # Before the model exists, so that every tensor of the trial is counted (runtime/memory.py).
+    allocator_tracked = device.type == "cpu" and track_cpu_allocations()
     mesh = mesh_for(layout, device.type)
     trainer = build_trainer(cfg, layout, mesh, device, spec)
     if keep is not None:
@@ -98,7 +102,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     dp_rank = mesh["dp"].get_local_rank()
     fault = fault_for(str(layout))
     local_losses = []
-    profiler = StepProfiler(device, spec.warmup, spec.steps, trace_file) if spec.profile \
+    profiler = StepProfiler(device, spec.warmup, spec.steps, trace_file, allocator_tracked) if spec.profile \
         else StepTimer(device, spec.warmup, spec.steps)
     with profiler:
         for step in range(spec.warmup + spec.steps):
@@ -151,7 +155,7 @@ def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_
         step_time_s          = median over measured steps of (max over ranks of the step's wall time)
         tokens_per_s         = global_batch_size * seq_len / step_time_s
         mfu                  = flops_per_token * tokens_per_s / (world_size * peak_flops)
-        peak_mem_bytes       = max over ranks of the rank's peak
+        peak_mem_bytes       = max over ranks of the rank's peak (the median of its steps' peaks)
         comm_fraction        = max over ranks (and _mean) of comm time / measured time
         exposed_comm_fraction likewise, for communication not overlapped by compute
 
@@ -171,12 +175,14 @@ def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_
         "peak_tflops_source": flops_source,
         "mfu": cfg.flops_per_token() * tokens_per_s / (world_size * flops),
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
+        "memory_source": per_rank[0]["memory_source"],
     }
     for name in ("comm_fraction", "exposed_comm_fraction"):
         values = [r[name] for r in per_rank]
         figures.update({name: max(values), f"{name}_mean": statistics.fmean(values)})
     figures.update({f"{name}_per_rank": [r[name] for r in per_rank] for name in (
-        "step_times_s", "peak_mem_bytes", "resident_mem_bytes", "comm_fraction", "exposed_comm_fraction")})
+        "step_times_s", "peak_mem_bytes", "resident_mem_bytes", "step_peak_mem_bytes", "comm_fraction",
+        "exposed_comm_fraction")})
     figures["peak_tflops_per_rank"] = [r["peak_flops"] / 1e12 for r in per_rank]
     traces = [r["trace_file"] for r in per_rank if r["trace_file"]]
     if traces:

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -132,6 +133,20 @@ def allocate(rank: int, resident_bytes: int = 0, extra_bytes: int = 0):
     return step
 
 
+def freed_elsewhere(rank: int):
+    """Each step allocates x, hands it to a thread of its own that drops it (the last
+    reference: the free happens on that thread, as gloo's worker frees a buffer of a
+    finished collective), then allocates y as large: the step's peak is one of them."""
+    def step():
+        held = [torch.ones(1 << 20)]
+        worker = threading.Thread(target=held.clear)
+        worker.start()
+        worker.join()
+        y = torch.ones(1 << 20)
+        del y
+    return step
+
+
 def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: int, steps: int,
             out_dir: str) -> None:
     from autotune.runtime.profiling import (
@@ -142,14 +157,16 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: in
         step_spans,
         total,
     )
+    from autotune.runtime.torch_compat import track_cpu_allocations
 
     torch.set_num_threads(1)
+    tracked = track_cpu_allocations()
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size)
     results = []
     for make, options in cases:
         step = make(rank, **options)
-        with StepProfiler(torch.device("cpu"), warmup, steps) as profiler:
+        with StepProfiler(torch.device("cpu"), warmup, steps, allocator_tracked=tracked) as profiler:
             for _ in range(warmup + steps):
                 dist.barrier()  # ranks start each step together, outside the measured span
                 with profiler.step():

@@ -1,0 +1,142 @@
+"""Peak memory of a rank: the bytes of live tensors, as CUDA's `max_memory_allocated` counts them.
+
+Definition. Each measured step's peak is the most bytes the allocator held for tensors
+during that step: live tensors, including those collectives and DTensor redistributions
+allocate, excluding a communication backend's own scratch (a GPU run's NCCL keeps that
+outside torch's allocator). A rank's peak is the median of its steps' peaks; the trial's
+is the largest over ranks. The median, not the largest, because a step's peak can rise by
+a buffer that a collective backend releases a moment late (below): the typical step is
+what a long run repeats, and one layout measured again gives the same figure.
+
+CUDA: the caching allocator's statistics, reset at the start of every measured step.
+
+CPU: the allocator's own running total. With c10's `caffe2_report_cpu_memory_usage` on
+(torch_compat.track_cpu_allocations) every CPU allocation and free updates one counter,
+on any thread, and the profiler's memory events carry it (`total_allocated`); the
+level after each event is that total. What we learned measuring it, and why it is built
+this way:
+- Summing the profiler's memory events instead misses frees: a free on a gloo worker
+  thread outside the collective it served (the thread dropping its handle on a finished
+  collective, the last holder of a buffer) is not recorded. On tiny at tp=2 that lost
+  0.6-1.0 MB a step, so a "peak" grew with every measured step and differed from run to
+  run (5.0-5.4 MB at the first step against 4.40 MB with every free counted).
+- gloo allocates scratch of its own, which NCCL does not take from torch's allocator:
+  a flat copy of an all-gather's output on its worker thread, and a temporary inside the
+  `c10d::_allgather_base_` call on the calling thread (147,968 bytes per tiny block at
+  zero=3: 20 MB over one step). Allocations on gloo's worker threads and inside `c10d::`
+  operators are therefore excluded from the level between their allocation and their
+  free; one whose free the profiler did not see stays counted, on the safe side.
+- What remains varies only by when gloo's thread lets go of a finished collective: at
+  zero=3 on tiny a step's peak is 6.00 or 6.08 MB (a late-freed root buffer), at tp=2 it
+  is 4,398,860 bytes in every step of every run, the same as a run whose collectives
+  complete synchronously (torch's fake process group). Hence the median over steps.
+Without the flag (a torch build whose c10 library does not export it) the level is the
+tensors Python reaches when measuring starts plus the running sum of the recorded
+events, which over-counts as described; the result then says so (`memory_source`).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from typing import NamedTuple
+
+import torch
+
+from autotune.runtime.torch_compat import ProfilerEventType, is_traceable_wrapper_subclass
+
+SCRATCH_OPERATORS = "c10d::"  # a backend's collective: what it allocates inside is its own
+
+
+class MemoryEvent(NamedTuple):
+    """One allocation (size > 0) or free (size < 0) the profiler recorded."""
+
+    time_ns: int
+    total: int  # the allocator's live bytes after the event (of the blocks it tracks)
+    size: int
+    ptr: int
+    scratch: bool  # allocated by a communication backend for itself
+
+
+def memory_events(result, gloo_threads: set[int]) -> list[MemoryEvent]:
+    """The CPU allocation events of a profile, in time order, each marked as a backend's
+    scratch when it happens on a gloo worker thread or inside a `c10d::` operator."""
+    events, stack = [], [(node, False) for node in result.experimental_event_tree()]
+    while stack:
+        node, in_collective = stack.pop()
+        inside = in_collective or node.name.startswith(SCRATCH_OPERATORS)
+        if node.tag == ProfilerEventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                events.append(MemoryEvent(node.start_time_ns, fields.total_allocated, fields.alloc_size, fields.ptr,
+                                          inside or node.start_tid in gloo_threads))
+        else:
+            stack.extend((child, inside) for child in node.children)
+    events.sort()
+    return events
+
+
+def levels(events: list[MemoryEvent], start_level: int) -> list[tuple[int, int]]:
+    """(time, bytes of live tensors) after each event: start_level plus the allocator's
+    change since the first event, less the backend scratch alive at that moment (a
+    scratch block counts as scratch from its allocation to its free only where both
+    were recorded)."""
+    if not events:
+        return []
+    closed, open_scratch = set(), {}
+    for i, e in enumerate(events):
+        if e.size > 0 and e.scratch:
+            open_scratch[e.ptr] = i
+        elif e.size < 0 and e.ptr in open_scratch:
+            closed.add(open_scratch.pop(e.ptr))
+    base = events[0].total - events[0].size
+    live_scratch, scratch_bytes, out = {}, 0, []
+    for i, e in enumerate(events):
+        if e.size > 0 and i in closed:
+            live_scratch[e.ptr] = e.size
+            scratch_bytes += e.size
+        elif e.size < 0 and e.ptr in live_scratch:
+            scratch_bytes -= live_scratch.pop(e.ptr)
+        out.append((e.time_ns, start_level + e.total - base - scratch_bytes))
+    return out
+
+
+def step_peaks(timeline: list[tuple[int, int]], spans: list[tuple[int, int]], start_level: int) -> list[int]:
+    """Each step's peak: the highest level inside its span, or the level it starts at."""
+    peaks, level, i = [], start_level, 0
+    for start, end in spans:
+        while i < len(timeline) and timeline[i][0] < start:
+            level = timeline[i][1]
+            i += 1
+        peak = level
+        while i < len(timeline) and timeline[i][0] <= end:
+            level = timeline[i][1]
+            peak = max(peak, level)
+            i += 1
+        peaks.append(peak)
+    return peaks
+
+
+def rank_peak(peaks: list[int]) -> int:
+    """A rank's peak: the median of its measured steps' peaks (module docstring)."""
+    return int(statistics.median(peaks)) if peaks else 0
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of the storages of every tensor on `device` that Python can reach, each once
+    (the fallback's starting level). Wrapper subclasses (DTensor) own no storage; their
+    local tensors are found on their own."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor) or is_traceable_wrapper_subclass(obj):
+            continue
+        if obj.device.type != device.type or obj.layout != torch.strided:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a functional or fake tensor)
+            continue
+        if storage.nbytes():
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(storages.values())
