@@ -17,7 +17,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from autotune.config import GIB, hardware_for_device_name, hardware_presets, load_hardware, load_model, model_presets
+from autotune.config import (
+    DTYPES,
+    GIB,
+    as_trained,
+    hardware_for_device_name,
+    hardware_presets,
+    load_hardware,
+    load_model,
+    model_presets,
+)
 from autotune.errors import UsageError
 from autotune.launch import LAUNCHERS
 from autotune.layout import resolve
@@ -94,6 +103,13 @@ def add_trial_options(p: argparse.ArgumentParser) -> None:
                    help="a measured peak above this is an OOM (default: the device's memory; none on CPU)")
     p.add_argument("--hardware", default=None,
                    help=f"hardware preset or YAML ({', '.join(hardware_presets())}); default from the device")
+    add_dtype_option(p)
+
+
+def add_dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="train in this precision instead of the model's (default: the model's on CUDA, fp32 on the "
+                        "CPU; --dtype bf16 on the CPU runs the GPU's mixed-precision plan)")
 
 
 def build_parser() -> Parser:
@@ -228,7 +244,7 @@ def cmd_run(args) -> int:
         warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
         gpus_per_node=args.gpus_per_node or hardware.gpus_per_node, launcher=args.launcher,
         trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops,
-        trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat)
+        trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat, dtype=args.dtype)
     Launcher(question.launcher, question.gpus_per_node, args.hosts).check(args.gpus)  # before the study exists
     out = Path(args.out or f"results/{model.name}-{args.gpus}gpus")
     return run_sweep(question, out, storage=args.storage, study_name=args.study_name, hosts=args.hosts)
@@ -250,7 +266,8 @@ def cmd_trial(args) -> int:
     launcher.check(args.gpus)
     if args.hardware:
         load_hardware(args.hardware)  # a bad preset or file is a usage error here, not in every rank
-    spec = TrialSpec(model=dataclasses.asdict(model), layout=str(layout), steps=args.steps,
+    spec = TrialSpec(model=dataclasses.asdict(as_trained(model, args.device, args.dtype)), layout=str(layout),
+                     steps=args.steps,
                      warmup=args.warmup, seed=args.seed, device=args.device,
                      memory_budget_gb=args.memory_budget_gb, hardware=args.hardware,
                      peak_tflops=args.peak_tflops, trace_dir=os.path.abspath(args.trace) if args.trace else None,
@@ -350,6 +367,7 @@ def add_estimate_parser(sub) -> None:
     p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="peak TFLOP/s per device, overriding the hardware's (the cpu preset has none)")
     p.add_argument("--top", type=positive_int, default=25, help="rows of the ranked table (default 25)")
+    add_dtype_option(p)
     p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
     p.set_defaults(func=cmd_estimate)
 
@@ -365,7 +383,7 @@ def cmd_estimate(args) -> int:
     budget = budget_bytes(hardware, args.memory_budget_gb)
     if args.layout is not None:
         layout = resolve(args.layout, model, args.gpus, hardware.gpus_per_node)
-        result = estimate(model, layout, hardware, budget, device=device)
+        result = estimate(model, layout, hardware, budget, device=device, dtype=args.dtype)
         if args.json:
             print(json.dumps(result.to_dict(), indent=2))
         else:
@@ -375,7 +393,8 @@ def cmd_estimate(args) -> int:
     if not layouts:
         raise UsageError(f"gpus: no valid layout of {model.name} on {args.gpus} GPUs "
                          f"({hardware.gpus_per_node} per node)")
-    ranked = rank_estimates([estimate(model, layout, hardware, budget, device=device) for layout in layouts])
+    ranked = rank_estimates([estimate(model, layout, hardware, budget, device=device, dtype=args.dtype)
+                             for layout in layouts])
     if args.json:
         print(json.dumps({"model": model.name, "gpus": args.gpus, "hardware": hardware.name, "device": device,
                           "memory_budget_bytes": budget, "layouts": [e.to_dict() for e in ranked]}, indent=2))

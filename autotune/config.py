@@ -184,6 +184,21 @@ class HardwareConfig:
 
 # -- loading ---------------------------------------------------------------------------------
 
+def trained_dtype(model: ModelConfig, device: str, dtype: str | None = None) -> str:
+    """The precision a trial trains in: `--dtype`, else on CUDA the model's own, else fp32 (a
+    CPU trial is the numerics oracle unless asked for the GPU's mixed-precision plan)."""
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise UsageError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return dtype
+    return model.dtype if device == "cuda" else "fp32"
+
+
+def as_trained(model: ModelConfig, device: str, dtype: str | None = None) -> ModelConfig:
+    """The model with the precision it trains in (trained_dtype) as its dtype."""
+    return dataclasses.replace(model, dtype=trained_dtype(model, device, dtype))
+
+
 def model_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 

@@ -19,7 +19,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from autotune.config import GIB, HardwareConfig, ModelConfig
+from autotune.config import GIB, HardwareConfig, ModelConfig, as_trained
 from autotune.errors import UsageError
 from autotune.estimate_memory import DEVICES, TERMS, model_figures, pipeline_shapes, rank_terms
 from autotune.estimate_time import Links, step_time
@@ -105,14 +105,15 @@ def _json_safe(value):
 
 
 def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memory_budget_bytes: float | None = None,
-             calibration: Calibration | None = None, device: str = "cuda") -> Estimate:
+             calibration: Calibration | None = None, device: str = "cuda", dtype: str | None = None) -> Estimate:
     """Price one layout (valid: see layout.check) of `model` on `hardware`.
 
-    `device` selects the runtime's precision: "cpu" fp32 everywhere, "cuda" the
-    model's dtype on fp32 masters. Time needs hardware.peak_tflops; where it is 0 (the
+    The precision is the one the trial trains in (config.trained_dtype): `dtype`, else the
+    model's on CUDA, fp32 on the CPU. Time needs hardware.peak_tflops; where it is 0 (the
     CPU preset: measured at run time) the time fields are NaN and memory is still
     estimated.
     """
+    model = _trained(model, device, dtype)
     cal = calibration or default_calibration(device)
     shapes = pipeline_shapes(model, layout)
     peak, worst_rank, phase, terms = -1.0, 0, "", ()
@@ -147,6 +148,22 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
         exposed_comm_s=time.exposed_comm_s, **common)
 
 
+_TRAINED: dict[tuple, tuple[ModelConfig, ModelConfig]] = {}
+
+
+def _trained(model: ModelConfig, device: str, dtype: str | None) -> ModelConfig:
+    """as_trained, one object per (model, device, dtype): the estimator memoises its
+    per-model figures by the model object (estimate_memory.model_figures)."""
+    key = (id(model), device, dtype)
+    cached = _TRAINED.get(key)
+    if cached is None or cached[0] is not model:
+        if len(_TRAINED) > 64:
+            _TRAINED.clear()
+        trained = as_trained(model, device, dtype)
+        cached = _TRAINED[key] = (model, model if trained == model else trained)
+    return cached[1]
+
+
 @functools.lru_cache(maxsize=1024)
 def slowest_candidates(shapes: tuple) -> list:
     """The pipeline ranks that can be the slowest: those with an end of the model (the
@@ -161,7 +178,7 @@ def slowest_candidates(shapes: tuple) -> list:
 # -- calibration from measured trials ------------------------------------------------------------
 
 def calibrate(measured: list[tuple[Layout, dict]], model: ModelConfig, hardware: HardwareConfig,
-              device: str = "cuda") -> Calibration:
+              device: str = "cuda", dtype: str | None = None) -> Calibration:
     """Fit the factors to trials measured in a study, so predictions improve as it runs.
 
     `measured`: (layout, trial JSON) pairs; the complete ones count, and those pruned
@@ -177,7 +194,7 @@ def calibrate(measured: list[tuple[Layout, dict]], model: ModelConfig, hardware:
     usable = [(layout, t) for layout, t in measured if t.get("status") == "complete" or t.get("reason") == "comm_bound"]
     compute_ratios, bandwidth_ratios, memory_points = [], [], []
     for layout, trial in usable:
-        predicted = estimate(model, layout, hardware, calibration=prior, device=device)
+        predicted = estimate(model, layout, hardware, calibration=prior, device=device, dtype=dtype)
         step = trial.get("step_time_s")
         if step and not math.isnan(predicted.step_time_s):
             computing = predicted.compute_s + predicted.bubble_s - sum(

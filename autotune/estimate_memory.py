@@ -58,17 +58,15 @@ class Precision:
     compute: int  # activations and the working copy of the parameters
 
 
-# CPU trials run fp32 everywhere, no mixed precision; CUDA computes in the model's dtype.
-_PRECISIONS = {("cpu", "bf16"): Precision(master=4, grad=4, optimizer=8, compute=4),
-               ("cpu", "fp32"): Precision(master=4, grad=4, optimizer=8, compute=4),
-               ("cuda", "bf16"): Precision(master=4, grad=4, optimizer=8, compute=2),
-               ("cuda", "fp32"): Precision(master=4, grad=4, optimizer=8, compute=4)}
+# By the precision the model trains in (estimate() gives the model its trained dtype).
+_PRECISIONS = {"bf16": Precision(master=4, grad=4, optimizer=8, compute=2),
+               "fp32": Precision(master=4, grad=4, optimizer=8, compute=4)}
 
 
 def precision(model: ModelConfig, device: str) -> Precision:
     if device not in DEVICES:
         raise UsageError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
-    return _PRECISIONS[device, model.dtype]
+    return _PRECISIONS[model.dtype]
 
 
 # -- activations: what autograd saves, per token of a micro-batch ------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autotune.config import HardwareConfig, ModelConfig, model_from_dict
+from autotune.config import HardwareConfig, ModelConfig, as_trained, model_from_dict
 from autotune.space import Space
 from autotune.trialspec import TrialSpec
 
@@ -72,6 +72,7 @@ class Question:
     peak_tflops: float | None = None
     trial_timeout_s: float | None = None  # None: from the estimate, with a floor
     heartbeat_s: int = 60  # shared storages: every worker beats this often; stale after 4 beats missed
+    dtype: str | None = None  # --dtype; None: the model's on CUDA, fp32 on the CPU (config.trained_dtype)
 
     @classmethod
     def from_dict(cls, stored: dict) -> "Question":
@@ -90,7 +91,13 @@ class Question:
 
     @property
     def model_config(self) -> ModelConfig:
+        """The model as the user described it."""
         return model_from_dict(self.model)
+
+    @property
+    def trained_model(self) -> ModelConfig:
+        """The model in the precision its trials train in (config.trained_dtype)."""
+        return as_trained(self.model_config, self.device, self.dtype)
 
     @property
     def hardware_config(self) -> HardwareConfig:
@@ -111,14 +118,15 @@ class Question:
 
     def trial_spec(self, layout: str) -> TrialSpec:
         """What the study runs for a layout (a full layout string)."""
-        return TrialSpec(model=self.model, layout=layout, steps=self.steps, warmup=self.warmup, seed=self.seed,
+        return TrialSpec(model=dataclasses.asdict(self.trained_model), layout=layout, steps=self.steps,
+                         warmup=self.warmup, seed=self.seed,
                          device=self.device, memory_budget_gb=self.memory_budget_gb, peak_tflops=self.peak_tflops,
                          hardware=self.hardware.get("name"))
 
     def identity(self) -> dict:
         """What must match for a re-run to resume this study rather than start another."""
         return {"model": self.model, "gpus": self.gpus, "space": self.space["values"], "device": self.device,
-                "objective": self.objective}
+                "objective": self.objective, "dtype": self.dtype}
 
 
 def holds_layout(trial) -> bool:

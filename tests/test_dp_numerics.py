@@ -4,7 +4,7 @@ against one process: same losses at every step, same trained parameters, same gr
 import pytest
 import torch
 
-from autotune.config import load_model
+from autotune.config import as_trained, load_model
 from autotune.layout import resolve
 from autotune.runtime.parallel.dp import mixed_precision_policy
 from support.numerics import assert_same_losses, assert_same_training
@@ -63,12 +63,14 @@ def test_gradients_equal_one_process_whatever_the_split():
         assert_same_gradients(reference, grads, layout)
 
 
-def test_mixed_precision_policy_is_bf16_compute_fp32_state_on_cuda_only():
+def test_mixed_precision_policy_follows_the_trained_precision_on_any_device():
     bf16 = TINY.__class__(**{**TINY.__dict__, "dtype": "bf16"})
-    policy = mixed_precision_policy(bf16, torch.device("cuda"))
+    policy = mixed_precision_policy(bf16)
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert mixed_precision_policy(bf16, torch.device("cpu")) is None
-    assert mixed_precision_policy(TINY, torch.device("cuda")) is None  # an fp32 model stays fp32
+    assert mixed_precision_policy(TINY) is None  # an fp32 model stays fp32
+    # The precision a trial trains in: --dtype, else the model's on CUDA, fp32 on the CPU.
+    assert (as_trained(bf16, "cpu").dtype, as_trained(bf16, "cuda").dtype) == ("fp32", "bf16")
+    assert as_trained(TINY, "cpu", "bf16").dtype == "bf16"
 
 
 def test_bf16_policy_computes_in_bf16_reduces_and_updates_in_fp32(reference):

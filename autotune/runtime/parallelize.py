@@ -57,7 +57,7 @@ def build_parts(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.de
         model = Transformer(cfg)
     parts = split_stages(model, cfg, layout, mesh.local_rank("pp")) if mesh.dims.pp_enabled else {0: model}
     for part in parts.values():
-        parallelize_stage(part, layout, mesh, mixed_precision_policy(cfg, device))
+        parallelize_stage(part, layout, mesh, mixed_precision_policy(cfg))
         part.to_empty(device=device)
         init_weights(part, seed, cfg.hidden_size, cfg.num_layers)
     return parts

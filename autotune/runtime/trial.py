@@ -70,9 +70,10 @@ def memory_budget(spec: TrialSpec, device: torch.device) -> int | None:
     return budget
 
 
-def compute_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """The dtype the calibration GEMM runs in: CPU trials train in fp32."""
-    return torch.bfloat16 if device.type == "cuda" and cfg.dtype == "bf16" else torch.float32
+def compute_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype the calibration GEMM runs in: the one the trial computes in (the spec's
+    model carries the trained precision: config.as_trained)."""
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
 def run(spec: TrialSpec, keep: dict | None = None) -> dict:
@@ -92,7 +93,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         keep.update(trainer=trainer, mesh=mesh)
 
     dist.barrier()  # every rank calibrates at once, as every rank trains at once
-    flops, flops_source = peak_flops(spec.peak_tflops, spec.hardware, device, compute_dtype(cfg, device))
+    flops, flops_source = peak_flops(spec.peak_tflops, spec.hardware, device, compute_dtype(cfg))
     trace_file = None
     if spec.trace_dir:
         os.makedirs(spec.trace_dir, exist_ok=True)

@@ -61,9 +61,10 @@ from autotune.runtime.parallel.zero1 import zero_one_adamw
 from autotune.runtime.torch_compat import replicate
 
 
-def mixed_precision_policy(cfg: ModelConfig, device: torch.device) -> MixedPrecisionPolicy | None:
-    """bf16 compute, fp32 reduction and master weights for a bf16 model on CUDA; else None (fp32)."""
-    if device.type == "cuda" and cfg.dtype == "bf16":
+def mixed_precision_policy(cfg: ModelConfig) -> MixedPrecisionPolicy | None:
+    """bf16 compute, fp32 reduction and master weights for a model that trains in bf16 (its
+    dtype is the trained one: config.as_trained), on any device; else None (fp32)."""
+    if cfg.dtype == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
 
