@@ -49,7 +49,7 @@ import psutil
 
 from autotune.errors import UsageError
 from autotune.record import CRASH, ERROR, FAILED, OOM, PRUNED, TIMEOUT
-from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, die_with_parent
+from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, dying_with
 
 TAIL_LINES = 30
 KILL_WAIT_S = 10.0  # how long kill_tree waits for the killed processes to be gone
@@ -92,7 +92,7 @@ def run_trial(spec: TrialSpec, nprocs: int, timeout_s: float, log_dir: Path | No
     start = time.monotonic()
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(torchrun_command(spec, nprocs), stdout=out, stderr=err, env=trial_env(spec),
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True, preexec_fn=dying_with(os.getpid()))
         timed_out = False
         try:
             proc.wait(timeout=timeout_s)
@@ -288,7 +288,7 @@ def run_agents(spec: TrialSpec, nprocs: int, timeout_s: float, log_dir: Path, la
             out, err = (open(log_dir / f"{agent.name}.{stream}.log", "w") for stream in ("stdout", "stderr"))
             logs += [out, err]
             procs.append(subprocess.Popen(agent.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True, preexec_fn=die_with_parent))
+                                          start_new_session=True, preexec_fn=dying_with(os.getpid())))
         timed_out = wait_all(procs, timeout_s)
     finally:  # a timeout, a failed peer's grace, Ctrl-C or our own failure: leave nothing running
         if any(p.poll() is None for p in procs):

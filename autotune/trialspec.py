@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import os
 import signal
 from dataclasses import dataclass, field
 
@@ -18,13 +19,26 @@ RESULT_MARKER = "AUTOTUNE_RESULT "
 ERROR_MARKER = "AUTOTUNE_ERROR "
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int | None = None) -> None:
     """Ask Linux to kill this process when its parent dies (PR_SET_PDEATHSIG), so no
-    launcher or rank outlives the process that started it."""
+    launcher or rank outlives the process that started it.
+
+    The request only covers a parent that dies after it is made: one that died between
+    our fork and this call has already handed us to init (or a subreaper), so we check
+    that our parent is still `parent_pid` (the pid that started us, when the caller
+    knows it) and not init, and kill ourselves if not."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except OSError:
-        pass
+        return
+    parent = os.getppid()
+    if parent == 1 or (parent_pid is not None and parent != parent_pid):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dying_with(parent_pid: int):
+    """A `preexec_fn` for subprocess: the child dies with `parent_pid` (this process)."""
+    return lambda: die_with_parent(parent_pid)
 
 
 @dataclass
