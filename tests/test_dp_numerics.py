@@ -73,27 +73,31 @@ def test_mixed_precision_policy_follows_the_trained_precision_on_any_device():
     assert as_trained(TINY, "cpu", "bf16").dtype == "bf16"
 
 
-def test_bf16_policy_computes_in_bf16_reduces_and_updates_in_fp32(reference):
-    """The CUDA policy forced on the CPU: the same wrapping at dp=2 (FSDP) and at dp=1
-    (TP only: replicate over one rank) computes in bf16 with fp32 gradients,
-    parameters and optimizer state, and trains like fp32 up to bf16 rounding."""
-    layouts = [full("zero=3,mbs=8", 2), full("tp=2,mbs=16", 2)]
+def test_bf16_computes_in_bf16_reduces_and_updates_in_fp32(reference):
+    """bf16 on the CPU (the GPU's plan): FSDP (zero 3) keeps fp32 sharded parameters and
+    computes in bf16 copies; zero 0 and 1 (ddp.py) keep bf16 parameters beside fp32
+    masters. Both reduce fp32 gradients, update fp32 state, and train like fp32 up to
+    bf16 rounding."""
+    layouts = [full("zero=3,mbs=8", 2), full("tp=2,mbs=16", 2), full("zero=1,mbs=8", 2)]
     fp32 = reference[0]["losses"]
     for layout, seen in zip(layouts, run_on_ranks(2, mixed_precision_step, layouts)[0]):
         assert seen["compute"] == ["torch.bfloat16", "torch.bfloat16"], layout  # a Linear's input and weight
-        assert seen["grads"] == seen["params"] == seen["optimizer_state"] == ["torch.float32"], layout
+        assert seen["grads"] == seen["masters"] == seen["optimizer_state"] == ["torch.float32"], layout
+        held = "torch.float32" if "zero=3" in layout else "torch.bfloat16"
+        assert seen["params"] == [held], layout
         assert_same_losses(fp32, seen["losses"], layout, rtol=1e-2)
         assert seen["losses"] != pytest.approx(fp32, rel=1e-6), "bf16 rounding should show"
 
 
 def test_zero1_optimizer_equals_adamw_with_uneven_and_empty_slices():
-    """3 ranks: 5 elements cut 2+2+1, a single element 1+0+0 (empty slices), 7 elements
-    3+3+1, a 4x3 matrix 4+4+4; buckets of 20 gathered elements make two all-gathers, the
-    first of three parameters. Every rank ends with AdamW's parameters, holding its
-    slices' state only."""
+    """3 ranks, parameters laid out in backward order (the last first): a 4x3 matrix, 7, 1
+    and 5 elements. Buckets close once they hold 8 elements and are padded to divide by 3:
+    [12] -> 4 each, [7, 1] -> 9, 3 each (the 1-element parameter on one rank only), [5] ->
+    6, 2 each (the last rank's slice half padding). Every rank ends with AdamW's parameters,
+    holding its slices' state only, and no gradient is left on the parameters."""
     shapes = [[5], [1], [7], [4, 3]]
-    ranks = run_on_ranks(3, zero_one_against_adamw, shapes, 20)
-    assert [r["state_elements"] for r in ranks] == [2 + 1 + 3 + 4, 2 + 0 + 3 + 4, 1 + 0 + 1 + 4]
+    ranks = run_on_ranks(3, zero_one_against_adamw, shapes, 8)
+    assert [r["state_elements"] for r in ranks] == [4 + 3 + 2, 4 + 3 + 2, 4 + 2 + 1]
     for r in ranks:
         assert r["max_difference"] <= 1e-6
-        assert r["grads_left"] == 0  # the full gradients are dropped once sliced
+        assert r["grads_left"] == 0

@@ -18,22 +18,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from autotune.config import ModelConfig
 from autotune.runtime.mlp import FeedForward
 from autotune.runtime.moe import MoE
+from autotune_kernels.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
+    """torch's fused RMSNorm (autotune_kernels.norm: computed in fp32, keeping the input and
+    one fp32 root per token for backward). Under sequence parallel the input is a DTensor
+    of this rank's tokens: each rank normalises its own, and the replicated weight's
+    gradient is a partial sum over the ranks (reduced where the gradients are)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the compute dtype: the mean of squares overflows bf16 precision.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        if isinstance(x, DTensor):
+            weight = self.weight.to_local(grad_placements=[Partial()]) if isinstance(self.weight, DTensor) \
+                else self.weight
+            return DTensor.from_local(rms_norm(x.to_local(), weight, self.eps), x.device_mesh, x.placements,
+                                      run_check=False)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):

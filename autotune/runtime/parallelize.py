@@ -1,7 +1,7 @@
 """Apply the layout's parallel dimensions to the plain model, in one documented order.
 
     meta-device model -> pipeline stages -> TP(+SP) -> EP -> CP -> activation checkpointing
-    -> FSDP / replicate -> to_empty -> deterministic init
+    -> FSDP (zero 2/3) -> to_empty -> deterministic init -> data parallel (zero 0/1) and the optimizer
 
 (torchtitan's order: TP changes parameter shapes before FSDP shards them; CP swaps
 the attention core before recompute wraps it; checkpoint wrappers go inside FSDP so
@@ -12,12 +12,8 @@ their marked places.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor.parallel import loss_parallel
 
 from autotune.config import ModelConfig
 from autotune.layout import Layout
@@ -25,7 +21,7 @@ from autotune.runtime.init import init_weights
 from autotune.runtime.mesh import Meshes
 from autotune.runtime.model import Transformer
 from autotune.runtime.parallel.cp import HeadTailSharder, apply_context_parallel
-from autotune.runtime.parallel.dp import apply_data_parallel, build_optimizer, mixed_precision_policy
+from autotune.runtime.parallel.dp import apply_fully_sharded, build_data_parallel
 from autotune.runtime.parallel.ep import apply_expert_parallel
 from autotune.runtime.parallel.pp import PipelineTrainer, build_schedule, split_stages
 from autotune.runtime.parallel.recompute import apply_recompute
@@ -35,10 +31,9 @@ from autotune.stage_split import stage_count
 from autotune.trialspec import TrialSpec
 
 
-def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
-                      mp_policy: MixedPrecisionPolicy | None) -> None:
-    """Every dimension but PP, applied in place to one (meta-device) model or stage.
-    mp_policy: None for fp32, else FSDP2's mixed precision (see dp.mixed_precision_policy)."""
+def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes, cfg: ModelConfig) -> None:
+    """Every dimension but PP, applied in place to one (meta-device) model or stage (zero 0/1's
+    data parallel comes after materialising: build_data_parallel)."""
     if mesh.dims.tp_enabled:
         apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=bool(layout.sp))
     if mesh.dims.ep_enabled:
@@ -46,7 +41,7 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes,
     if mesh.dims.cp_enabled:
         apply_context_parallel(stage, mesh["cp"], stage.cfg.seq_len)
     apply_recompute(stage, layout.recompute, layout.recompute_layers)
-    apply_data_parallel(stage, mesh, layout, mp_policy)
+    apply_fully_sharded(stage, mesh, layout, cfg)
 
 
 def build_parts(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.device,
@@ -57,7 +52,7 @@ def build_parts(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.de
         model = Transformer(cfg)
     parts = split_stages(model, cfg, layout, mesh.local_rank("pp")) if mesh.dims.pp_enabled else {0: model}
     for part in parts.values():
-        parallelize_stage(part, layout, mesh, mixed_precision_policy(cfg))
+        parallelize_stage(part, layout, mesh, cfg)
         part.to_empty(device=device)
         init_weights(part, seed, cfg.hidden_size, cfg.num_layers)
     return parts
@@ -67,14 +62,13 @@ def build_trainer(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.
                   spec: TrialSpec) -> Trainer | PipelineTrainer:
     """The parallelised model with its optimizer, ready to train on micro-batches."""
     parts = build_parts(cfg, layout, mesh, device, spec.seed)
-    optimizer = build_optimizer(nn.ModuleList(parts.values()), mesh, layout,
-                                lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    dp = build_data_parallel(list(parts.values()), mesh, layout, cfg, lr=spec.lr, betas=(0.9, 0.95),
+                             weight_decay=0.1)
     # Under TP the logits stay vocab-sharded and the loss is computed on the shards.
-    loss_context = loss_parallel if mesh.dims.tp_enabled else contextlib.nullcontext
     shard_batch = HeadTailSharder(mesh["cp"]) if mesh.dims.cp_enabled else None
     if not mesh.dims.pp_enabled:
-        return Trainer(parts[0], optimizer, loss_context, shard_batch, max_grad_norm=spec.max_grad_norm)
+        return Trainer(parts[0], dp, shard_batch, max_grad_norm=spec.max_grad_norm)
     pp_group = mesh["pp"].get_group()
-    schedule = build_schedule(parts, layout, layout.grad_accum(cfg), pp_group, device)
-    return PipelineTrainer(parts, schedule, optimizer, stage_count(layout), pp_group, loss_context,
-                           shard_batch, max_grad_norm=spec.max_grad_norm)
+    schedule = build_schedule(parts, layout, layout.grad_accum(cfg), pp_group, device, dp)
+    return PipelineTrainer(parts, schedule, dp, stage_count(layout), pp_group, shard_batch,
+                           max_grad_norm=spec.max_grad_norm)

@@ -11,7 +11,6 @@ import glob
 import os
 
 import torch
-from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401 (zero 0/1)
 from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: F401 (EP's token exchange)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: F401 (recompute)
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,10 +64,19 @@ def resolve_process_group(group):
 
 # -- pipelining --------------------------------------------------------------------------------
 
-class CleanedPipelineStage(PipelineStage):
-    """torch's PipelineStage, calling `after_metadata_inference()` when torch cleans up
-    after the real forward and backward by which it infers the stages' tensor shapes on
-    the first step (a private step of PipelineStage)."""
+class LeanPipelineStage(PipelineStage):
+    """torch's PipelineStage with two changes, both through its private steps:
+
+    - Receive buffers live from the moment a transfer is posted until the micro-batch has
+      been handed to the stage, as Megatron-LM's do, not one per micro-batch for the whole
+      run as torch allocates them (at 64 micro-batches of 8192 x 8192 bf16, 17 GB where
+      the micro-batches in flight need a few). Received activations then live as the
+      stage's inputs until their backward, received gradients through that backward.
+    - `after_metadata_inference()` is called when torch cleans up after the real forward
+      and backward by which it infers the stages' tensor shapes on the first step, and
+      `after_weight_step()` after each weight step of a split backward (which writes its
+      gradients into `.grad` itself, past any gradient hook).
+    """
 
     def _post_metadata_inference_cleanup(self) -> None:
         super()._post_metadata_inference_cleanup()
@@ -76,3 +84,61 @@ class CleanedPipelineStage(PipelineStage):
 
     def after_metadata_inference(self) -> None:
         """Override: forget what the inference's forward and backward recorded."""
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        out = super().backward_weight_one_chunk(*args, **kwargs)
+        self.after_weight_step()
+        return out
+
+    def after_weight_step(self) -> None:
+        """Override: take the weight gradients the step has written."""
+
+    def _setup_forward_recv_info(self, *args, **kwargs) -> None:
+        super()._setup_forward_recv_info(*args, **kwargs)
+        for infos in self.args_recv_info.values():
+            _release(infos)
+
+    def _setup_backward_recv_info(self, *args, **kwargs) -> None:
+        super()._setup_backward_recv_info(*args, **kwargs)
+        for infos in self.grad_recv_info.values():
+            _release(infos)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        _allocate(self.args_recv_info[fwd_chunk_id], self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        if self.has_backward and not self.is_last:
+            _allocate(self.grad_recv_info[bwd_chunk_id], self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def _retrieve_recv_activations(self, fwd_chunk_id: int):
+        activations = super()._retrieve_recv_activations(fwd_chunk_id)
+        _release(self.args_recv_info[fwd_chunk_id])
+        return activations
+
+    def _retrieve_recv_grads(self, bwd_chunk_id: int):
+        grads = super()._retrieve_recv_grads(bwd_chunk_id)
+        _release(self.grad_recv_info[bwd_chunk_id])
+        return grads
+
+
+_NO_BUFFER = {}  # (dtype, device) -> an empty tensor standing in for a receive buffer not allocated
+
+
+def _release(infos) -> None:
+    """Drop the stage's references to receive buffers (an empty stand-in keeps torch's
+    `buffer is None` meaning: no tensor to receive)."""
+    for info in infos:
+        if not info.is_root_arg and info.buffer is not None and info.tensor_meta is not None:
+            key = (info.buffer.dtype, info.buffer.device)
+            info.buffer = _NO_BUFFER.setdefault(key, torch.empty(0, dtype=key[0], device=key[1]))
+
+
+def _allocate(infos, device) -> None:
+    """A fresh buffer for every receive about to be posted."""
+    for info in infos:
+        if not info.is_root_arg and info.tensor_meta is not None and info.buffer is not None \
+                and info.buffer.numel() == 0:
+            meta = info.tensor_meta
+            info.buffer = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)

@@ -4,8 +4,9 @@
 
 Each micro-batch's loss is its token mean divided by grad_accum, so that the gradients
 summed over micro-batches and averaged over data-parallel ranks (FSDP averages) are
-those of the mean over the whole global batch, whatever the split. Gradients are
-synchronised on the last micro-batch only.
+those of the mean over the whole global batch, whatever the split. The data
+parallel (parallel/dp.py) says when gradients are reduced: zero 0/1 once, overlapping the
+last micro-batch's backward; zero 2/3 (FSDP2) every micro-batch, keeping only the shard.
 
 Context parallel cuts each sequence over the cp ranks: the trainer is handed whole
 sequences and a `shard_batch` hook gives it this rank's tokens and labels (the
@@ -20,57 +21,62 @@ therefore clips exactly as one process would.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from autotune.runtime.moe import end_step, set_aux_loss_scale
+from autotune_kernels.loss import cross_entropy as kernel_cross_entropy
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    """The micro-batch's mean token loss; vocabulary-sharded logits under tensor parallel
+    (autotune_kernels.loss: no fp32 copy of the logits, one micro-batch's held)."""
+    return kernel_cross_entropy(logits, labels)
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float,
-                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip the gradients of `parameters` (this rank's, of every stage it runs) to a global
-    L2 norm of `max_norm`; returns that norm before clipping.
+def grad_norm(parameters: list[nn.Parameter], pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global L2 norm of the gradients of `parameters` (this rank's, of every stage it
+    runs), the same on every rank.
 
     Parameters are grouped by the mesh their DTensor gradient lives on (under FSDP with
     TP the norms' weights are sharded over data parallel only, the rest over both; a
     DTensor op takes one mesh): each group's norm is a DTensor reduced over its shards
-    by `full_tensor`. The squares are summed, then over the pipeline stages, so every
-    rank scales by the same factor, group by group."""
+    by `full_tensor`. The squares are summed, then over the pipeline stages."""
     by_mesh = defaultdict(list)
     for param in parameters:
         if param.grad is not None:
-            by_mesh[param.grad.device_mesh if isinstance(param.grad, DTensor) else None].append(param)
+            by_mesh[param.grad.device_mesh if isinstance(param.grad, DTensor) else None].append(param.grad)
     square = torch.zeros((), device=next(iter(parameters)).device)
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
         square = square + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
     if pipeline_group is not None:
         dist.all_reduce(square, group=pipeline_group)
-    norm = square.sqrt()
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return square.sqrt()
+
+
+def clip(dp, max_norm: float | None, pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """Scale every gradient by min(1, max_norm / norm), norm being the whole model's
+    (torch's clip_grad_norm_ rule); returns that norm, None without clipping."""
+    if max_norm is None:
+        return None
+    norm = dp.grad_norm(pipeline_group)
+    dp.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
 
 
 class Trainer:
-    """Forward, backward and optimizer step of a model that is not pipelined."""
+    """Forward, backward and optimizer step of a model that is not pipelined. `dp` is its
+    data parallel (parallel/dp.py): it reduces the gradients and owns the optimizer."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_context=contextlib.nullcontext, shard_batch=None, max_grad_norm: float | None = None):
+    def __init__(self, model: nn.Module, dp, shard_batch=None, max_grad_norm: float | None = None):
         self.model = model
-        self.optimizer = optimizer
-        self.loss_context = loss_context  # loss_parallel() under tensor parallel
+        self.dp = dp
+        self.optimizer = dp.optimizer
         self.shard_batch = shard_batch  # (inputs, labels) -> this rank's part, under context parallel
         self.max_grad_norm = max_grad_norm
 
@@ -82,15 +88,13 @@ class Trainer:
         for i, (inputs, labels) in enumerate(batches):
             if self.shard_batch is not None:
                 inputs, labels = self.shard_batch(inputs, labels)
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with self.loss_context():
-                loss = cross_entropy(self.model(inputs), labels) / len(batches)
-                loss.backward()
-            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            self.dp.before_microbatch(last=i == len(batches) - 1)
+            loss = cross_entropy(self.model(inputs), labels) / len(batches)
+            loss.backward()
+            total += loss.detach()
         total += end_step(self.model, total.device)
-        if self.max_grad_norm is not None:
-            clip_grad_norm(list(self.model.parameters()), self.max_grad_norm)
+        self.dp.finish_backward()
+        clip(self.dp, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total

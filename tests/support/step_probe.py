@@ -4,7 +4,6 @@ shapes TP leaves, and the memory a rank holds."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import weakref
@@ -12,9 +11,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from autotune.config import load_model
 from autotune.layout import resolve
@@ -22,9 +19,8 @@ from autotune.runtime.data import batch_rows, micro_batches
 from autotune.runtime.init import init_weights, plain_name
 from autotune.runtime.mesh import mesh_for
 from autotune.runtime.model import Transformer
-from autotune.runtime.parallel.dp import build_optimizer
 from autotune.runtime.parallelize import build_trainer, parallelize_stage
-from autotune.runtime.train import Trainer, cross_entropy
+from autotune.runtime.train import cross_entropy
 from autotune.runtime.trial import global_losses
 from autotune.trialspec import TrialSpec
 
@@ -44,9 +40,10 @@ def step_batches(cfg, layout, mesh, step: int):
                          cfg.seq_len, cfg.vocab_size)
 
 
-def trainer_for(text: str, model: str = MODEL, **spec_fields):
-    """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them."""
-    cfg = load_model(model)
+def trainer_for(text: str, model: str = MODEL, dtype: str = "fp32", **spec_fields):
+    """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them
+    (in `dtype`, the precision the model trains in)."""
+    cfg = dataclasses.replace(load_model(model), dtype=dtype)
     layout = resolve(text, cfg, dist.get_world_size())
     mesh = mesh_for(layout, "cpu")
     trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
@@ -67,18 +64,16 @@ def memory_by_kind(snapshot: dict) -> dict:
 def first_step_gradients(layouts: list[str], model: str = MODEL, spec_fields: dict | None = None) -> list[dict] | None:
     """{plain name: flat list} of the full gradients the optimizer sees at step 0 (after
     clipping, if `spec_fields` asks for it), per layout, gathered from every pipeline
-    stage (on rank 0; None elsewhere). Not for zero=1, whose optimizer takes its
-    gradient slices before any hook registered after it could look."""
+    stage (on rank 0; None elsewhere)."""
     results = []
     for text in layouts:
         cfg, layout, mesh, trainer = trainer_for(text, model, **(spec_fields or {}))
-        assert layout.zero != 1
         grads = {}
 
         def capture(optimizer, args, kwargs, trainer=trainer, grads=grads):
             for part in model_parts(trainer):
                 for name, param in part.named_parameters():
-                    grads[plain_name(name)] = full(param.grad).flatten().tolist()
+                    grads[plain_name(name)] = full(trainer.dp.gradient(param)).flatten().tolist()
 
         trainer.optimizer.register_step_pre_hook(capture)
         trainer.step(step_batches(cfg, layout, mesh, 0))
@@ -111,35 +106,31 @@ def assert_same_gradients(reference: dict, other: dict, what: str, rtol: float =
 
 
 def mixed_precision_step(layouts: list[str], steps: int = 3) -> list[dict]:
-    """Train each layout with the CUDA bf16 policy forced on the CPU; report dtypes seen."""
-    cfg = load_model(MODEL)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """Train each layout in bf16 on the CPU; report the dtypes of what a Linear computes
+    in, of the gradients the optimizer sees, of the parameters the model holds, of what
+    the optimizer updates and of its state."""
     results = []
     for text in layouts:
-        layout = resolve(text, cfg, dist.get_world_size())
-        mesh = mesh_for(layout, "cpu")
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        parallelize_stage(model, layout, mesh, policy)
-        model.to_empty(device="cpu")
-        init_weights(model, 0, cfg.hidden_size, cfg.num_layers)
-        optimizer = build_optimizer(model, mesh, layout, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        trainer = Trainer(model, optimizer, loss_parallel if layout.tp > 1 else contextlib.nullcontext)
+        cfg, layout, mesh, trainer = trainer_for(text, dtype="bf16")
+        model = trainer.model
         seen = {"compute": [], "grads": set()}
 
         def linear_input(module, args, seen=seen):
             seen["compute"] = [str(args[0].dtype), str(module.weight.dtype)]
 
-        def gradient_dtypes(optimizer, args, kwargs, seen=seen, model=model):
-            seen["grads"] |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
+        def gradient_dtypes(optimizer, args, kwargs, seen=seen):
+            seen["grads"] |= {str(p.grad.dtype) for group in optimizer.param_groups for p in group["params"]
+                              if p.grad is not None}
 
         model.layers["3"].attention.wq.register_forward_pre_hook(linear_input)
-        optimizer.register_step_pre_hook(gradient_dtypes)
+        trainer.optimizer.register_step_pre_hook(gradient_dtypes)
         shares = torch.stack([trainer.step(step_batches(cfg, layout, mesh, step)) for step in range(steps)])
+        optimizer = trainer.optimizer
         results.append({
             "compute": seen["compute"],
             "grads": sorted(seen["grads"]),
             "params": sorted({str(p.dtype) for p in model.parameters()}),
+            "masters": sorted({str(p.dtype) for group in optimizer.param_groups for p in group["params"]}),
             "optimizer_state": sorted({str(t.dtype) for state in optimizer.state.values()
                                        for key, t in state.items() if key != "step"}),
             "losses": global_losses(shares, mesh),
@@ -156,7 +147,7 @@ def local_attention_shapes(layouts: list[str]) -> list[dict]:
         mesh = mesh_for(layout, "cpu")
         with torch.device("meta"):
             model = Transformer(cfg)
-        parallelize_stage(model, layout, mesh, None)
+        parallelize_stage(model, layout, mesh, cfg)
         attention = model.layers["0"].attention
         results.append({name: list(local(getattr(attention, name).weight).shape)
                         for name in ("wq", "wk", "wv", "wo")})
@@ -198,42 +189,47 @@ def activation_bytes(layouts: list[str]) -> list[int]:
         trainer.step([(inputs, labels)])  # optimizer state and FSDP buffers exist from here on
         tracker = MemTracker()
         tracker.track_external(trainer.model, trainer.optimizer)
-        with trainer.loss_context():
-            with tracker:
-                loss = cross_entropy(trainer.model(inputs), labels)
-                held = memory_by_kind(tracker.get_tracker_snapshot("current"))
-            loss.backward()  # untracked, but run: FSDP expects every forward to meet its backward
+        with tracker:
+            loss = cross_entropy(trainer.model(inputs), labels)
+            held = memory_by_kind(tracker.get_tracker_snapshot("current"))
+        loss.backward()  # untracked, but run: FSDP expects every forward to meet its backward
         results.append(held["Activation"])
     return results
 
 
 def zero_one_against_adamw(shapes: list[list[int]], bucket_elements: int, steps: int = 3) -> dict:
-    """zero_one_adamw over all ranks and a plain AdamW, fed the same parameters and
-    gradients: the largest difference of the parameters after `steps` steps, and the
-    number of elements of Adam state this rank holds."""
+    """zero 1's DataParallel over all ranks and torch's fused AdamW in one process, fed the
+    same parameters and gradients (each rank's gradient is g, so the reduced one is g):
+    the largest difference of the parameters after `steps` steps, and the number of
+    elements of Adam state this rank holds."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotune.runtime.parallel import zero1
+    from autotune.runtime.parallel import ddp
 
-    zero1.BUCKET_ELEMENTS = bucket_elements  # several all-gathers even for tiny tensors
+    ddp.BUCKET_ELEMENTS = bucket_elements  # several buckets even for tiny tensors
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     generator = torch.Generator().manual_seed(0)  # the same numbers on every rank
     start = [torch.randn(shape, generator=generator) for shape in shapes]
     grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(steps)]
-    sliced = [torch.nn.Parameter(t.clone()) for t in start]
+    sliced = torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in start])
     whole = [torch.nn.Parameter(t.clone()) for t in start]
     options = {"lr": 0.1, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    sliced_adamw, adamw = zero1.zero_one_adamw([(sliced, mesh)], **options), torch.optim.AdamW(whole, **options)
+    data_parallel = ddp.DataParallel([sliced], lambda: [(list(sliced), mesh, mesh)], divisor=dist.get_world_size(),
+                                     tp=1, compute_dtype=torch.float32, **options)
+    adamw = torch.optim.AdamW(whole, fused=True, **options)
     for step_grads in grads:
-        for a, b, g in zip(sliced, whole, step_grads):
-            a.grad, b.grad = g.clone(), g.clone()
-        sliced_adamw.step()
+        data_parallel.before_microbatch(last=True)
+        sum((p * g).sum() for p, g in zip(sliced, step_grads)).backward()
+        data_parallel.finish_backward()
+        for b, g in zip(whole, step_grads):
+            b.grad = g.clone()
+        data_parallel.optimizer.step()
         adamw.step()
-        sliced_adamw.zero_grad(set_to_none=True)
+        data_parallel.optimizer.zero_grad(set_to_none=True)
         adamw.zero_grad(set_to_none=True)
     return {
         "max_difference": max((a - b).abs().max().item() for a, b in zip(sliced, whole)),
-        "state_elements": sum(s["exp_avg"].numel() for s in sliced_adamw.state.values()),
+        "state_elements": sum(s["exp_avg"].numel() for s in data_parallel.optimizer.state.values()),
         "grads_left": sum(p.grad is not None for p in sliced),
     }
 

@@ -38,14 +38,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules
-from torch.distributed.tensor import DTensor
 
 from autotune.config import ModelConfig
 from autotune.layout import Layout
 from autotune.runtime.model import Transformer
 from autotune.runtime.moe import discard_step, end_step, set_aux_loss_scale
-from autotune.runtime.torch_compat import CleanedPipelineStage
-from autotune.runtime.train import clip_grad_norm, cross_entropy
+from autotune.runtime.torch_compat import LeanPipelineStage
+from autotune.runtime.train import clip, cross_entropy
 from autotune.schedules import SCHEDULES
 from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
 
@@ -80,22 +79,31 @@ class ScaledLoss:
         return cross_entropy(logits, labels) / self.microbatches
 
 
-class Stage(CleanedPipelineStage):
+class Stage(LeanPipelineStage):
     """torch's PipelineStage. On the first step torch infers the stages' tensor shapes by
     running one real forward and backward (dynamic metadata inference), then clears the
     gradients it made. Its backward also records MoE balance-loss terms and expert
     counts, which belong to no step (and on a later stage come from an uninitialised
     input: NaN); they go when torch cleans up after the inference."""
 
+    gradients = None  # zero 0/1's data parallel (ddp.py), set once it exists: it takes `.grad` into its buffer
+
     def after_metadata_inference(self) -> None:
         discard_step(self.submod)
 
+    def after_weight_step(self) -> None:
+        if self.gradients is not None:
+            self.gradients.fold_gradients()
+
 
 def build_schedule(parts: dict[int, nn.Module], layout: Layout, microbatches: int,
-                   pp_group: dist.ProcessGroup, device: torch.device):
-    """torch's schedule for `layout.schedule` over this rank's stages."""
+                   pp_group: dist.ProcessGroup, device: torch.device, dp=None):
+    """torch's schedule for `layout.schedule` over this rank's stages; `dp`, the data
+    parallel, takes the gradients a split backward's weight steps write."""
     stages = [Stage(part, stage_id, stage_count(layout), device, group=pp_group)
               for stage_id, part in sorted(parts.items())]
+    for stage in stages:
+        stage.gradients = dp if hasattr(dp, "fold_gradients") else None
     schedule = SCHEDULES[layout.schedule]
     schedule_class = getattr(schedules, schedule.torch_class)
     return schedule_class(stages if schedule.multi_stage else stages[0], n_microbatches=microbatches,
@@ -106,14 +114,13 @@ class PipelineTrainer:
     """The Trainer's `step(batches)` on a pipelined model: one schedule step over the
     step's micro-batches, then clipping and the optimizer step."""
 
-    def __init__(self, parts: dict[int, nn.Module], schedule, optimizer: torch.optim.Optimizer,
-                 num_stages: int, pp_group: dist.ProcessGroup, loss_context, shard_batch=None,
-                 max_grad_norm: float | None = None):
+    def __init__(self, parts: dict[int, nn.Module], schedule, dp, num_stages: int, pp_group: dist.ProcessGroup,
+                 shard_batch=None, max_grad_norm: float | None = None):
         self.model = [part for _, part in sorted(parts.items())]  # this rank's stages
         self.schedule = schedule
-        self.optimizer = optimizer
+        self.dp = dp  # its data parallel (parallel/dp.py): reduces the gradients, owns the optimizer
+        self.optimizer = dp.optimizer
         self.pp_group = pp_group
-        self.loss_context = loss_context  # loss_parallel() under tensor parallel: forward and backward
         self.shard_batch = shard_batch  # (inputs, labels) -> this rank's part, under context parallel
         self.max_grad_norm = max_grad_norm
         self.holds_inputs = 0 in parts
@@ -128,15 +135,13 @@ class PipelineTrainer:
         inputs = torch.cat([x for x, _ in batches])  # the schedule cuts it back into the same micro-batches
         labels = torch.cat([y for _, y in batches])
         losses: list[torch.Tensor] = []
-        with self.loss_context():
-            self.schedule.step(*((inputs,) if self.holds_inputs else ()),
-                               target=labels if self.holds_loss else None,
-                               losses=losses, return_outputs=False)
-        if self.max_grad_norm is not None:
-            clip_grad_norm([p for part in self.model for p in part.parameters()], self.max_grad_norm, self.pp_group)
+        self.schedule.step(*((inputs,) if self.holds_inputs else ()), target=labels if self.holds_loss else None,
+                           losses=losses, return_outputs=False)
+        self.dp.finish_backward()  # zero 0/1 reduce after the schedule, as FSDP's do there
+        clip(self.dp, self.max_grad_norm, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
-            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            total += loss.detach()
         return total + end_step(self.model, total.device)

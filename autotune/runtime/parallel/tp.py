@@ -11,7 +11,7 @@ reduce-scatter) per half is all the communication a block needs:
     embedding: vocabulary-parallel (row-wise: each rank owns vocab/tp rows, the partial
                embeddings are summed)
     output:    vocabulary-parallel (column-wise) and left sharded: the loss is computed
-               on vocab-sharded logits under `loss_parallel`, so the full [tokens, vocab]
+               on vocab-sharded logits (autotune_kernels.loss), so the full [tokens, vocab]
                logits never exist on one rank. The loss is then a DTensor
                (`.full_tensor()` before any other collective).
 
@@ -65,7 +65,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if model.norm is not None and sequence_parallel:
         top_plan["norm"] = SequenceParallel()
     if model.output is not None:
-        # Logits stay a vocab-sharded DTensor for loss_parallel.
+        # Logits stay a vocab-sharded DTensor: the loss works on each rank's columns.
         top_plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
                                              use_local_output=False)
     parallelize_module(model, tp_mesh, top_plan)
