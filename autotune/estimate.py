@@ -69,7 +69,8 @@ class Estimate:
     layout: Layout
     peak_mem_bytes: float  # worst rank
     memory: dict[str, float]  # the worst rank at its peak, by term; sums to peak_mem_bytes:
-    # params, grads, optimizer, optimizer_temp, activations, fsdp_buffers, pipeline_buffers, logits, overhead
+    # estimate_memory.TERMS: params, master_params, grads, optimizer, gathered_params, activations,
+    # pipeline_buffers, logits, temporaries, overhead
     step_time_s: float
     tokens_per_s: float
     mfu: float

@@ -1,33 +1,43 @@
 """Peak memory of one rank for a layout: what our runtime keeps, term by term.
 
-Precision (`device`): on the CPU everything is fp32 (parameters are their own
-masters, AdamW keeps two fp32 states, activations fp32); on CUDA parameters,
-gradients and AdamW states are fp32, compute runs in the model's dtype (bf16) on a
-working copy of the parameters (FSDP2 mixed precision) and gradients are reduced in
-fp32: 4 + 4 + 8 = 16 bytes per parameter before sharding, plus the working copy.
+The terms (`TERMS`), in the trained precision (fp32, or bf16 mixed precision):
 
-The peak is the largest of three moments of a step (see rank_memory):
-- the loss's backward: every in-flight activation held and cross_entropy's
-  vocabulary-sized fp32 buffers alive;
-- the last layer's backward: the loss's buffers freed, SwiGLU's gradients alive;
-- the optimizer step: gradients complete, AdamW's temporaries.
-From the second micro-batch on, the backward moments also hold FSDP2's unsharded fp32
-gradients, since the trainer syncs gradients on the last micro-batch only.
+    params           the parameters as the model holds them: zero 0/1 in the compute dtype
+                     (bf16: 2 bytes), zero 2/3 FSDP's fp32 shards
+    master_params    zero 0/1 in bf16: the fp32 masters AdamW updates (sliced over the
+                     shard ranks at zero 1); FSDP's shards are their own masters
+    grads            zero 0/1: the fp32 gradient buffer (4 bytes, always there); zero 2/3:
+                     the fp32 gradient shards, once a micro-batch has been reduced
+    optimizer        AdamW's two fp32 states (8 bytes, sharded at zero >= 1)
+    gathered_params  zero 2/3: the parameters FSDP has gathered (compute dtype)
+    activations      what autograd saves, over the micro-batches in flight
+    pipeline_buffers what pipeline parallel adds: stage outputs kept until their backward,
+                     sends a lowered schedule keeps until the step ends
+    logits           the loss's: one micro-batch's logits, their gradient, fp32 chunks
+    temporaries      what lives only at the moment of the peak (a backward's gradients)
+    overhead         token ids; on CUDA the allocator's fixed workspaces
 
-Context parallel divides every per-token term by cp: each rank holds seq_len/cp
-tokens of each sequence, and ring attention saves what fused attention saves (q, k,
-v, output, log-sum-exp) for its own tokens only. The ring's buffers (the KV block in
-flight, fp32 dK/dV and dQ accumulators) live only inside one layer's attention; in
-backward they come after that layer's MLP backward has freed its saved tensors and
-SwiGLU's gradients, and they are not modelled as a peak of their own (no measured
-layout peaks there: benchmarks/estimator_accuracy.md).
+Bytes per parameter of the state (no activations), P the rank's parameters, N the
+ranks that shard it:  zero 0: 16 (fp32) or 18 (bf16: 2 + 4 + 4 + 8);  zero 1: 8 + 8/N or
+6 + 12/N;  zero 2/3: 16/N, the gathered parameters and gradient shards coming and going.
 
-Activations are the tensors autograd saves, itemised per layer for our Llama block
-in the accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
-Large Transformer Models"): the same items with the paper's GPT block give its
-sbh(34 + 5as/h), and its TP, SP and recompute adjustments. Against the CPU runtime
-(benchmarks/estimator_accuracy.md) the peak is within a few hundred bytes of the
-measured bytes of live tensors.
+The peak is the largest of a few moments of a step (rank_terms):
+- loss_backward (the rank with the head): every activation held, the logits, their
+  gradient and the loss's fp32 chunks;
+- layer_backward: the loss's buffers freed, the last layer's SwiGLU backward holds the
+  incoming gradient, a weight gradient on its way into the buffer and tokens x ffn
+  gradients; recompute rebuilds that layer first;
+- optimizer_step: the gradients complete, the state updated in place (torch's fused
+  AdamW makes no temporaries), zero 1's all-gather bucket.
+
+Activations are the tensors autograd saves, itemised per layer for our block (the
+runtime's model, measured by saved-tensor hooks on the CPU) in the accounting of
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): the same items with the paper's GPT block give its sbh(34 + 5as/h), and its
+TP, SP and recompute adjustments. Context parallel divides every per-token term by cp:
+each rank holds seq_len/cp tokens of each sequence, and ring attention saves what fused
+attention saves for its own tokens. Against trials on the CPU (the allocator's own
+peaks, runtime/memory.py): benchmarks/estimator_accuracy.md.
 """
 
 from __future__ import annotations
@@ -46,16 +56,20 @@ DEVICES = ("cpu", "cuda")
 # small buffers. The CUDA context and NCCL's buffers are outside the allocator, as they
 # are outside the measured peak (the allocator's statistics).
 CUDA_FIXED_OVERHEAD_BYTES = 256 * 1024**2
+# The loss works on this many fp32 logits at once (autotune_kernels/loss.py).
+LOSS_CHUNK_ELEMENTS = 1 << 22
+# zero 1 gathers the updated parameters a bucket at a time (runtime/parallel/ddp.py).
+DDP_BUCKET_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element of each kind of tensor the runtime keeps."""
 
-    master: int  # parameters as the optimizer sees them
-    grad: int  # gradients, reduced and accumulated
+    master: int  # parameters as the optimizer updates them (fp32)
+    grad: int  # gradients as they are reduced and accumulated (fp32)
     optimizer: int  # AdamW exp_avg + exp_avg_sq
-    compute: int  # activations and the working copy of the parameters
+    compute: int  # activations, and the parameters the model computes with
 
 
 # By the precision the model trains in (estimate() gives the model its trained dtype).
@@ -90,56 +104,81 @@ class Saved:
 
 
 def norm_saved_tensors(model: ModelConfig, compute: int, where: str) -> list[Saved]:
-    """RMSNorm (runtime/model.py) upcasts to fp32: `x.float()` is saved by pow and mul,
-    with the rsqrt [tokens, 1]; the normalized tensor is saved by `* weight`; the norm's
+    """RMSNorm (autotune_kernels.norm) saves its input and one fp32 root per token; its
     output is the input the following linears save, all-gathered first under sequence
-    parallel (torch's SequenceParallel), so it is never split."""
+    parallel (torch's SequenceParallel), so that one is never split."""
     h = model.hidden_size
-    return [Saved(f"{where} norm input (fp32)", h, 4, "sp"),
-            Saved(f"{where} norm rsqrt", 1, 4, "sp"),
-            Saved(f"{where} normalized", h, compute, "sp"),
-            Saved(f"{where} input (norm output)", h, compute, "full")]
+    return [Saved(f"{where} norm input", h, compute, "sp"),
+            Saved(f"{where} norm rstd", 1, 4, "sp"),
+            Saved(f"{where} norm output", h, compute, "full")]
 
 
 def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_parallel: bool = False) -> list[Saved]:
     """The runtime's Block (runtime/model.py, runtime/moe.py), item by item.
 
     Attention: RoPE saves only its cos/sin tables (counted per layer, not per token);
-    fused SDPA saves q and k after RoPE, v, its output (also wo's input) and the fp32
-    log-sum-exp, never seq x seq scores. SwiGLU saves gate, silu(gate), up and their
-    product. An MoE block saves the router's fp32 softmax, the top-k choices, their
-    probabilities and sum (the renormalisation, top_k > 1) and the routing weights; the
-    index of the permutation to expert order and of its inverse; each token's k
-    copies dispatched to the experts, the experts' SwiGLU tensors (k per token) and
-    their outputs; expert parallel adds the indices of its re-sort to local-expert
-    order and back. Tensor parallel leaves MoE blocks whole ("full"): every tp rank
-    routes the whole (gathered) sequence.
+    fused SDPA saves q and k after RoPE, v, its output and the fp32 log-sum-exp, never
+    seq x seq scores; its output, laid out (batch, seq, heads, dim), is wo's input as it
+    is. SwiGLU saves gate, silu(gate), up and their product. An MoE block saves the
+    router's fp32 softmax, the top-k choices, their probabilities and sum (the
+    renormalisation, top_k > 1) and the routing weights; the index of the permutation
+    to expert order and of its inverse; each token's k copies dispatched to the experts,
+    the experts' SwiGLU tensors (k per token) and their outputs; expert parallel adds
+    the indices of its re-sort to local-expert order and back. Tensor parallel leaves
+    MoE blocks whole ("full"): every tp rank routes the whole (gathered) sequence.
     """
-    h = model.hidden_size
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
     attention = [Saved("q after rope", q, compute, "tp"), Saved("k after rope", kv, compute, "tp"),
-                 Saved("v", kv, compute, "tp"), Saved("attention output", q, compute, "tp"),
+                 Saved("v", kv, compute, "tp"), Saved("attention output (wo's input)", q, compute, "tp"),
                  Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
-    if moe:
-        k, ef = model.moe.top_k, model.moe.expert_ffn_hidden_size
-        mlp = [Saved("router probabilities (fp32)", model.moe.num_experts, 4, "full"),
-               Saved("top-k choices (int64)", k, 8, "full"),
-               Saved("routing weights", k, compute, "full"),
-               Saved("permutation and inverse (int64)", 2 * k, 8, "full"),
-               Saved("dispatched tokens", k * h, compute, "full"),
-               Saved("expert gate, silu, up, product", 4 * k * ef, compute, "full"),
-               Saved("expert outputs", k * h, compute, "full")]
-        if k > 1:
-            mlp.append(Saved("top-k probabilities and their sum (fp32)", k + 1, 4, "full"))
-        if expert_parallel:
-            mlp.append(Saved("local-expert sort and inverse (int64)", 2 * k, 8, "full"))
-        if model.moe.num_shared_experts:
-            mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "full"))
-    else:
-        mlp = [Saved("mlp gate, silu, up, product", 4 * model.ffn_hidden_size, compute, "tp")]
     return (norm_saved_tensors(model, compute, "attention") + attention
-            + norm_saved_tensors(model, compute, "mlp") + mlp)
+            + norm_saved_tensors(model, compute, "mlp") + mlp_saved_tensors(model, moe, compute, expert_parallel))
+
+
+def mlp_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_parallel: bool) -> list[Saved]:
+    h = model.hidden_size
+    if not moe:
+        return [Saved("mlp gate, silu, up, product", 4 * model.ffn_hidden_size, compute, "tp")]
+    k, ef = model.moe.top_k, model.moe.expert_ffn_hidden_size
+    mlp = [Saved("router probabilities (fp32)", model.moe.num_experts, 4, "full"),
+           Saved("top-k choices (int64)", k, 8, "full"),
+           Saved("routing weights", k, compute, "full"),
+           Saved("permutation and inverse (int64)", 2 * k, 8, "full"),
+           Saved("dispatched tokens", k * h, compute, "full"),
+           Saved("expert gate, silu, up, product", 4 * k * ef, compute, "full"),
+           Saved("expert outputs", k * h, compute, "full")]
+    if k > 1:
+        mlp.append(Saved("top-k probabilities and their sum (fp32)", k + 1, 4, "full"))
+    if expert_parallel:
+        mlp.append(Saved("local-expert sort and inverse (int64)", 2 * k, 8, "full"))
+    if model.moe.num_shared_experts:
+        mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "full"))
+    return mlp
+
+
+def op_saved_tensors(model: ModelConfig, moe: bool, compute: int, tp: int, expert_parallel: bool = False
+                     ) -> list[Saved]:
+    """Per-op recompute (runtime/parallel/recompute.py) keeps a block's input and the
+    outputs of its matmuls, fused attention and tensor-parallel collectives; norms, RoPE
+    and the SwiGLU's gating are recomputed from them."""
+    h = model.hidden_size
+    q = model.num_heads * model.head_dim
+    kv = model.num_kv_heads * model.head_dim
+    items = [Saved("block input", h, compute, "sp"),
+             Saved("q, k, v (matmul outputs)", q + 2 * kv, compute, "tp"),
+             Saved("attention output", q, compute, "tp"), Saved("log-sum-exp", model.num_heads, 4, "tp"),
+             Saved("wo output", h, compute, "full")]
+    if tp > 1:
+        items.append(Saved("wo's reduction", h, compute, "sp"))
+    if moe:
+        items += mlp_saved_tensors(model, True, compute, expert_parallel)
+    else:
+        items += [Saved("gate, up (matmul outputs)", 2 * model.ffn_hidden_size, compute, "tp"),
+                  Saved("down output", h, compute, "full")]
+        if tp > 1:
+            items.append(Saved("down's reduction", h, compute, "sp"))
+    return items
 
 
 @dataclass(frozen=True)
@@ -158,18 +197,19 @@ class SavedTotals:
             sums[item.split] += item.elements * item.bytes
         return cls(core=sum(i.elements * i.bytes for i in items if i.core), **sums)
 
+    def per_token(self, tp: int, sp: bool, drop_core: bool = False) -> float:
+        """Bytes per token on one tensor-parallel rank."""
+        return (self.tp - (self.core if drop_core else 0.0)) / tp + (self.sp / tp if sp else self.sp) + self.full
+
 
 def saved_bytes_per_token(saved: SavedTotals, tp: int, sp: bool, recompute: str, block_input: float) -> float:
-    """Bytes one layer keeps per token of a micro-batch until its backward.
-
-    none: every item; selective: the attention core's items dropped (recomputed);
-    full: only the block's input (`block_input` bytes per token, split like the
-    residual stream: by tp under sequence parallel), the block being recomputed.
-    """
+    """Bytes one layer keeps per token of a micro-batch until its backward, for recompute
+    none (every item), selective (the attention core's items dropped) and full (only the
+    block's input, `block_input` bytes per token, split like the residual stream). Per-op
+    recompute keeps another list (op_saved_tensors)."""
     if recompute == "full":
         return block_input / tp if sp else block_input
-    core = saved.core if recompute == "selective" else 0.0
-    return (saved.tp - core) / tp + (saved.sp / tp if sp else saved.sp) + saved.full
+    return saved.per_token(tp, sp, drop_core=recompute == "selective")
 
 
 # -- what each pipeline rank holds -----------------------------------------------------------------
@@ -185,9 +225,7 @@ class ModelFigures:
     moe_active: float  # MoE parameters one token passes through (router, top-k, shared)
     moe_before: tuple[int, ...]  # moe_before[i]: MoE layers among layers 0..i-1
     flops_per_token: float
-    saved: dict  # (moe layer?, compute bytes, expert parallel?) -> SavedTotals of a block; also
-    # a memo of saved_bytes_per_token: (moe layer?, compute bytes, expert parallel?, tp, sp, recompute) -> bytes
-    final_norm: dict  # compute bytes -> SavedTotals of the final norm
+    saved: dict  # memo of layer_bytes: (moe, compute bytes, ep?, tp, sp, mode) -> bytes per token
     shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape,
     # and of pipeline_shapes
     peaks: dict  # memo of _backward_peaks and of the slowest rank's micro-batch (estimate_time),
@@ -211,14 +249,25 @@ def model_figures(model: ModelConfig) -> ModelFigures:
         moe_dense=router + moe.num_shared_experts * model.expert_params() if moe else 0,
         moe_routed=moe.num_experts * model.expert_params() if moe else 0,
         moe_active=router + (moe.top_k + moe.num_shared_experts) * model.expert_params() if moe else 0,
-        moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
-        saved={(is_moe, c, ep): SavedTotals.of(block_saved_tensors(model, is_moe, c, ep))
-               for is_moe in ((False, True) if moe else (False,)) for c in (2, 4) for ep in (False, True)},
-        final_norm={c: SavedTotals.of(norm_saved_tensors(model, c, "final")) for c in (2, 4)}, shapes={}, peaks={})
+        moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(), saved={}, shapes={}, peaks={})
     if len(_FIGURES) > 64:
         _FIGURES.clear()
     _FIGURES[id(model)] = (model, figures)
     return figures
+
+
+def layer_bytes(model: ModelConfig, moe: bool, c: int, expert_parallel: bool, tp: int, sp: bool,
+                mode: str) -> float:
+    """Bytes per token one layer keeps for its backward under a recompute mode (memoised)."""
+    fig = model_figures(model)
+    key = (moe, c, expert_parallel, tp, sp, mode)
+    if key not in fig.saved:
+        if mode == "op":
+            fig.saved[key] = SavedTotals.of(op_saved_tensors(model, moe, c, tp, expert_parallel)).per_token(tp, sp)
+        else:
+            totals = SavedTotals.of(block_saved_tensors(model, moe, c, expert_parallel))
+            fig.saved[key] = saved_bytes_per_token(totals, tp, sp, mode, model.hidden_size * c)
+    return fig.saved[key]
 
 
 def stage_chunks(layout: Layout) -> int:
@@ -274,16 +323,20 @@ class RankShape(NamedTuple):
     last: bool  # holds the final norm and the head
     dense_params: float  # FSDP shards these over dp_shard*cp
     expert_params: float  # ... and these over dp_shard*cp/ep
-    root_params: float  # embedding, final norm, head: FSDP's root module
+    root_params: float  # embedding, final norm, head
+    head_params: float  # final norm and head: FSDP's root module (zero 3 keeps it gathered)
     largest_block: float
-    largest_tensor: float  # of the dense parameters
-    largest_expert_tensor: float  # one stacked expert weight, [experts/ep, hidden, ffn]
     receiving: int = 0  # stages that take activations from another stage (all but the first)
     sending: int = 0  # stages that hand activations on (all but the last)
     sending_across: int = 0  # ... to a stage on another rank
     receiving_across: int = 0  # stages fed by a stage on another rank
     postponed_elements: float = 0.0  # per token: output gradients a split backward keeps for a
     # weight step, of the rank's heaviest stage but the first (see weight_output_grads)
+    stage_sizes: tuple[int, ...] = ()  # layers of each of the rank's stages
+
+    @property
+    def total_params(self) -> float:
+        return self.dense_params + self.expert_params
 
 
 def rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
@@ -310,24 +363,28 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     embedding = model.embedding_params() / tp
     root = (embedding if first else 0.0) + (h + embedding if last else 0.0)
     dense_layers = layers - moe_layers
-    dense_tensors = [embedding if root else 0.0, h * model.num_heads * model.head_dim / tp]
-    if dense_layers:
-        dense_tensors.append(h * model.ffn_hidden_size / tp)
-    if moe_layers:  # the router, the shared experts
-        moe = model.moe
-        dense_tensors.append(h * max(moe.num_experts, moe.num_shared_experts * moe.expert_ffn_hidden_size))
     return RankShape(
         rank=rank, layers=layers, moe_layers=moe_layers, first=first, last=last,
         dense_params=dense_layers * dense_block + moe_layers * moe_block + root,
         expert_params=moe_layers * moe_experts, root_params=root,
+        head_params=h + embedding if last else 0.0,
         largest_block=max(dense_block if dense_layers else 0.0, moe_block + moe_experts if moe_layers else 0.0),
-        largest_tensor=max(dense_tensors),
-        largest_expert_tensor=moe_experts / 3 if moe_layers else 0.0,
         receiving=sum(s > 0 for s in stages), sending=sum(s < last_stage for s in stages),
         sending_across=sum(s < last_stage and s + 1 not in stages for s in stages),
         receiving_across=sum(s > 0 and s - 1 not in stages for s in stages),
         postponed_elements=max((weight_output_grads(model, layout, spans[s], s == last_stage)
-                                for s in stages if s > 0), default=0.0))
+                                for s in stages if s > 0), default=0.0),
+        stage_sizes=tuple(len(spans[s]) for s in stages))
+
+
+def full_recompute_layers(layout: Layout, shape: RankShape) -> int:
+    """Layers of the rank recomputed in full: every layer, or with recompute_layers K the
+    first K of each stage (runtime/parallel/recompute.py)."""
+    if layout.recompute != "full":
+        return 0
+    if not layout.recompute_layers:
+        return shape.layers
+    return sum(min(layout.recompute_layers, n) for n in shape.stage_sizes)
 
 
 def weight_output_grads(model: ModelConfig, layout: Layout, layers: range, last: bool) -> float:
@@ -388,11 +445,66 @@ def reshards_after_forward(layout: Layout) -> bool:
     return layout.zero == 3 and layout.pp == 1
 
 
+# -- the state ------------------------------------------------------------------------------------
+
+TERMS = ("params", "master_params", "grads", "optimizer", "gathered_params", "activations", "pipeline_buffers",
+         "logits", "temporaries", "overhead")
+
+
+class State(NamedTuple):
+    """What a rank keeps from step to step (bytes), and how its data parallel holds it."""
+
+    params: float
+    master_params: float
+    grads: float  # zero 0/1: the buffer, always; zero 2/3: the shards, once a micro-batch is reduced
+    optimizer: float
+    sharded: bool  # zero 2/3: FSDP
+    total: float  # the rank's parameters (elements), before sharding
+
+
+def state_of(layout: Layout, prec: Precision, shape: RankShape) -> State:
+    """zero 0/1 (ddp.py): parameters in the compute dtype, an fp32 gradient buffer, fp32
+    masters (in bf16 only: in fp32 the parameters are their own) and AdamW's states, the
+    latter two sliced at zero 1 over dp_shard x cp (experts over dp_shard x cp / ep).
+    zero 2/3 (FSDP2): fp32 shards of the parameters (the masters), the gradients and the
+    states over dp_shard x cp (experts over dp_shard x cp / ep)."""
+    total = shape.dense_params + shape.expert_params
+    shards = layout.dp_shard * layout.cp
+    sharded_elements = shape.dense_params / shards + shape.expert_params / max(1, shards // layout.ep)
+    if layout.zero >= 2:
+        return State(prec.master * sharded_elements, 0.0, prec.grad * sharded_elements,
+                     prec.optimizer * sharded_elements, True, total)
+    updated = sharded_elements if layout.zero == 1 else total
+    master = prec.master * updated if prec.compute != prec.master else 0.0
+    return State(prec.compute * total, master, prec.grad * total, prec.optimizer * updated, False, total)
+
+
+def gathered_params(layout: Layout, prec: Precision, shape: RankShape) -> dict[str, float]:
+    """FSDP's gathered parameters (compute dtype) at each backward peak: zero 2, and zero 3
+    under PP, every unit (each is freed after its own backward); zero 3 the root (final
+    norm and head, kept from forward to backward) at the loss's backward, and with it the
+    last block and the one prefetched at the last layer's."""
+    if layout.zero < 2:
+        return {"loss_backward": 0.0, "layer_backward": 0.0}
+    if reshards_after_forward(layout):
+        return {"loss_backward": prec.compute * shape.head_params,
+                "layer_backward": prec.compute * (shape.head_params + 2 * shape.largest_block)}
+    return dict.fromkeys(("loss_backward", "layer_backward"), prec.compute * shape.total_params)
+
+
+def overhead_bytes(model: ModelConfig, layout: Layout, device: str) -> float:
+    """Token ids on the device: inputs and labels of every micro-batch of the step (on the
+    CPU views of one [rows, seq + 1] tensor, on CUDA a copy of each), and under CP the
+    head-tail shards of the current micro-batch's (int64, seq/cp each)."""
+    rows = layout.mbs * layout.grad_accum(model)
+    overhead = 8 * (model.seq_len + 1) * rows if device == "cpu" else \
+        16 * model.seq_len * rows + CUDA_FIXED_OVERHEAD_BYTES
+    if layout.cp > 1:
+        overhead += 16 * layout.mbs * model.seq_len / layout.cp
+    return overhead
+
+
 # -- the candidate peaks --------------------------------------------------------------------------
-
-TERMS = ("params", "grads", "optimizer", "optimizer_temp", "activations", "fsdp_buffers", "pipeline_buffers",
-         "logits", "overhead")
-
 
 def rank_memory(model: ModelConfig, layout: Layout, device: str, shape: RankShape) -> dict[str, dict[str, float]]:
     """Bytes a pipeline rank holds at each candidate peak, by term: {phase: {term:
@@ -406,65 +518,28 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
     estimator prices many ranks and keeps one)."""
     prec = precision(model, device)
     m = layout.grad_accum(model)
-    total = shape.dense_params + shape.expert_params
-    dense_shard = layout.dp_shard * layout.cp if layout.zero >= 1 else 1
-    expert_shard = max(1, dense_shard // layout.ep)
-    sharded = shape.dense_params / dense_shard + shape.expert_params / expert_shard
-
-    # State after a step; FSDP shards dense parameters over dp_shard*cp, experts over
-    # dp_shard*cp/ep:  zero 0 nothing;  zero 1 AdamW states;  zero 2 gradients and
-    # states;  zero 3 parameters too.
-    param_bytes = prec.master * (sharded if layout.zero >= 2 else total)
-    optim_bytes = prec.optimizer * (sharded if layout.zero >= 1 else total)
-    grads_after_step = prec.grad * (sharded if layout.zero >= 2 else total)
-
-    # FSDP2's unsharded working copy in the compute dtype. The runtime wraps the model
-    # only when dp*cp > 1; replicate (zero 0/1) then keeps the copy for good, zero 2
-    # gathers it for forward and backward, zero 3 holds the root module, the block in
-    # use and the one prefetched. On CUDA a bf16 copy exists whatever the layout.
-    if reshards_after_forward(layout):
-        working = prec.compute * (shape.root_params + 2 * shape.largest_block)
-    elif layout.dp * layout.cp > 1 or prec.compute != prec.master:
-        working = prec.compute * total
-    else:
-        working = 0.0
-
-    # Token ids on the device: inputs and labels of every micro-batch of the step, and
-    # under CP the head-tail shards of the current micro-batch's (int64, seq/cp each).
-    rows = layout.mbs * m
-    overhead = 8 * (model.seq_len + 1) * rows if device == "cpu" else \
-        16 * model.seq_len * rows + CUDA_FIXED_OVERHEAD_BYTES
-    if layout.cp > 1:
-        overhead += 16 * layout.mbs * model.seq_len / layout.cp
-
-    # AdamW's temporaries: the foreach kernels (CUDA) build sqrt(exp_avg_sq) for every
-    # local tensor at once; the CPU's single-tensor loop makes two of one tensor at a time.
-    if device == "cuda":
-        temp = 4 * (sharded if layout.zero >= 1 else total)
-    else:
-        temp = 2 * 4 * max(shape.largest_tensor / dense_shard, shape.largest_expert_tensor / expert_shard)
-    # torch's PipelineStage allocates, once for the run, a receive buffer per micro-batch
-    # for the activations of each stage but the first and for the gradients of each
-    # stage but the last ([micro-batch, seq/cp, hidden] in the compute dtype, split by
-    # tp under SP). A stage fed by a stage on the same rank (V schedules) keeps that
-    # stage's outputs in its buffers instead: the same bytes.
-    pipeline = m * (shape.receiving + shape.sending) * boundary_bytes(model, layout, prec)
-    # By the last layer's backward the head has its gradients, if none were there yet.
-    head_grads = prec.grad * (model.hidden_size + model.embedding_params() / layout.tp) if shape.last else 0.0
-    # Between micro-batches FSDP2 keeps unsharded fp32 gradients (the trainer syncs on the
-    # last micro-batch only); a backward reaches its peak with them only if an earlier
-    # backward ran in this step.
+    state = state_of(layout, prec, shape)
+    overhead = overhead_bytes(model, layout, device)
+    gathered = gathered_params(layout, prec, shape)
     fig = model_figures(model)
-    key = (id(shape), device, m, layout.mbs, layout.cp, layout.tp, layout.sp, layout.recompute, layout.schedule,
-           layout.vpp, layout.pp)  # shapes are memoised in fig.shapes: one object per shape
+    key = (id(shape), device, m, layout.mbs, layout.cp, layout.tp, layout.sp, layout.recompute,
+           layout.recompute_layers, layout.schedule, layout.vpp, layout.pp, layout.zero,
+           layout.dp_shard, layout.dp)  # shapes are memoised in fig.shapes: one object per shape
     varying = fig.peaks.get(key)
     if varying is None:
-        varying = fig.peaks[key] = _backward_peaks(model, layout, prec, shape, peak_points(layout, m, shape.rank),
-                                                   full_grads=prec.grad * total, head_grads=head_grads)
-    phases = {phase: (param_bytes, grads, optim_bytes, 0.0, activations, working, pipeline, logits, overhead)
-              for phase, (grads, activations, logits) in varying.items()}
-    phases["optimizer_step"] = (param_bytes, grads_after_step, optim_bytes, temp, 0.0,
-                                working if layout.zero <= 1 else 0.0, pipeline, 0.0, overhead)
+        points = peak_points(layout, m, shape.rank)
+        varying = fig.peaks[key] = _backward_peaks(model, layout, prec, shape, state, points)
+    phases = {phase: (state.params, state.master_params, grads, state.optimizer, gathered[phase], activations,
+                      pipeline, logits, temporaries, overhead)
+              for phase, (grads, activations, pipeline, logits, temporaries) in varying.items()}
+    # The optimizer step: the gradients complete; zero 1 gathers the updated parameters a
+    # bucket at a time (its own slice copied out, then the whole bucket).
+    step_temporaries = 0.0
+    if layout.zero == 1 and layout.dp_shard * layout.cp > 1:
+        bucket = min(DDP_BUCKET_ELEMENTS, state.total)
+        step_temporaries = prec.compute * bucket * (1 + 1 / (layout.dp_shard * layout.cp))
+    phases["optimizer_step"] = (state.params, state.master_params, state.grads, state.optimizer, 0.0, 0.0,
+                                _pipeline_held(model, layout, prec, shape), 0.0, step_temporaries, overhead)
     return phases
 
 
@@ -477,8 +552,9 @@ def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape:
     activations forward and gradients backward, until the step ends; by the rank's last
     peak it has sent all of a step's micro-batches but the backwards of those still in
     flight: m * (stages sending across + stages fed across) - chunks * (fed across) / v.
-    Inputs: in fp32 a stage's receive buffer is the tensor its first layer's norm saves,
-    already counted (pipeline_buffers). Split backwards keep, per postponed weight step,
+    Inputs: a received activation is the stage's input, the tensor its first layer's norm
+    saves (counted there); receive buffers live only while a micro-batch is handed over
+    (torch_compat.LeanPipelineStage). Split backwards keep, per postponed weight step,
     the output gradients of the stage's weighted ops (weight_output_grads)."""
     m, v = layout.grad_accum(model), stage_chunks(layout)
     boundary = boundary_bytes(model, layout, prec)
@@ -486,10 +562,14 @@ def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape:
         held, per_chunk = m * (shape.sending_across + shape.receiving_across), -shape.receiving_across / v
     else:
         held, per_chunk = 0.0, shape.sending_across / v
-    if prec.compute == 4:
-        per_chunk -= shape.receiving / v
     postponed_bytes = layout.mbs * model.seq_len / layout.cp * shape.postponed_elements * prec.compute
     return lambda chunks, postponed: boundary * (held + chunks * per_chunk) + postponed * postponed_bytes
+
+
+def _pipeline_held(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape) -> float:
+    """What pipeline parallel keeps past the step's last backward: nothing (the schedule
+    waits for its sends when the step ends; no receive buffer outlives its micro-batch)."""
+    return 0.0
 
 
 def boundary_bytes(model: ModelConfig, layout: Layout, prec: Precision) -> float:
@@ -498,59 +578,71 @@ def boundary_bytes(model: ModelConfig, layout: Layout, prec: Precision) -> float
     return tokens * model.hidden_size * prec.compute / (layout.tp if layout.sp else 1)
 
 
-def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape,
-                    points: list[tuple[int, int]], full_grads: float, head_grads: float
-                    ) -> dict[str, tuple[float, float, float]]:
-    """(gradients, activations, loss buffers) of a pipeline rank at the peaks of a backward
-    pass, the heaviest over its peak points (chunks in flight, postponed weight steps):
+def loss_bytes(model: ModelConfig, layout: Layout, prec: Precision) -> tuple[float, float]:
+    """(logits, the most the loss adds to them) of one micro-batch on one rank: the logits in
+    the compute dtype (vocabulary-split under TP), and the larger of what its forward and
+    its backward work in (autotune_kernels.loss): forward the fp32 chunk, less its row
+    maximum, exponentiated (in fp32 the chunk is the logits themselves); backward the
+    logits' gradient, as large as they, and the fp32 chunk less the log-sum-exp (with the
+    upcast chunk too in bf16). Forward wins where one chunk holds every row in bf16."""
+    tokens = layout.mbs * model.seq_len / layout.cp
+    vocab = model.vocab_size / layout.tp
+    chunk = 4 * min(tokens, max(1, LOSS_CHUNK_ELEMENTS // vocab)) * vocab
+    upcast = 0 if prec.compute == 4 else 1
+    logits = tokens * vocab * prec.compute
+    return logits, max((2 + upcast) * chunk, logits + (1 + upcast) * chunk)
 
-    loss_backward (the rank with the head): every activation saved, and cross_entropy's
-      buffers. It runs on fp32 logits (split by tp under loss_parallel): log_softmax
-      saves its fp32 output, and its backward holds that, the incoming gradient and its
-      result at once, 12 bytes per token and vocabulary entry.
-    layer_backward: the head's buffers freed, the last layer's SwiGLU backward holds the
-      incoming gradient, then the down projection's weight gradient and the product's
-      gradient (tokens x ffn), then two tokens x ffn gradients more than the tensors it
-      frees. With gradients accumulating from earlier micro-batches (`full_grads` held)
-      the fresh weight gradient is a temporary that AccumulateGrad adds and frees at
-      once; without, it becomes .grad and stays (and the head's, `head_grads`, are
-      there). Recompute rebuilds that layer first.
+
+def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape, state: State,
+                    points: list[tuple[int, int]]) -> dict[str, tuple[float, ...]]:
+    """(grads, activations, pipeline buffers, logits, temporaries) of a pipeline rank at the
+    peaks of a backward pass, the heaviest over its peak points (chunks in flight,
+    postponed weight steps):
+
+    loss_backward (the rank with the head): every activation saved, the final norm's
+      tensors, the logits, their gradient and the loss's fp32 chunks.
+    layer_backward: the loss's buffers freed, the last layer's SwiGLU backward holds the
+      incoming gradient, then the down projection's weight gradient (a moment, until the
+      gradient hook has added it into the buffer; FSDP keeps it, with the rest of the
+      block's, until the block's reduce-scatter) and the product's gradient (tokens x
+      ffn), then two tokens x ffn gradients more than the tensors it frees. Recompute
+      rebuilds that layer first.
+    Gradients: zero 0/1's buffer is always there; FSDP's shards only once a micro-batch has
+    been reduced in this step.
     Under PP: micro-batches whose backward has not started keep, on the last stage, the
-    final norm's saved tensors, their log_softmax output and the logits (the schedule
-    keeps each stage's output until its backward, so the current micro-batch's logits
-    stay too, through the whole backward of the stage). A stage but the last keeps its
-    output (the last layer's, which nothing on this stage saves) for each micro-batch in
-    flight; a stage but the first takes its input in a receive buffer (pipeline_buffers),
-    which in fp32 is the very tensor its first layer's norm saves, so it is not counted
-    twice. Chunks in flight spread evenly over the rank's stages, but for the last stage
-    of a V schedule, which holds one.
+    final norm's saved tensors and their logits (the schedule keeps each stage's output
+    until its backward). A stage but the last keeps its output for each micro-batch in
+    flight (_pipeline_extras). Chunks in flight spread evenly over the rank's stages, but
+    for the last stage of a V schedule, which holds one.
     """
-    fig = model_figures(model)
     tokens = layout.mbs * model.seq_len / layout.cp  # local tokens of one micro-batch
     sp, tp, c, h = bool(layout.sp), layout.tp, prec.compute, model.hidden_size
-    block_input = h * c  # saved by full recompute's checkpoint
-
     expert_parallel = layout.ep > 1
 
-    def layer(moe: bool, recompute: str) -> float:
-        key = (moe, c, moe and expert_parallel, tp, sp, recompute)
-        if key not in fig.saved:
-            fig.saved[key] = saved_bytes_per_token(fig.saved[key[:3]], tp, sp, recompute, block_input)
-        return fig.saved[key]
-
-    def per_token(recompute: str) -> float:  # all of the rank's layers, one micro-batch
+    def per_token(mode: str) -> float:  # all of the rank's layers, one micro-batch, under `mode`
         dense = shape.layers - shape.moe_layers
-        total = dense * layer(False, recompute) if dense else 0.0
+        total = dense * layer_bytes(model, False, c, False, tp, sp, mode) if dense else 0.0
         if shape.moe_layers:
-            total += shape.moe_layers * layer(True, recompute)
+            total += shape.moe_layers * layer_bytes(model, True, c, expert_parallel, tp, sp, mode)
         return total
 
-    kept = per_token(layout.recompute)
-    # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch.
-    rope = 0.0 if layout.recompute == "full" else shape.layers * model.seq_len / layout.cp * model.head_dim * 4
+    full_layers = full_recompute_layers(layout, shape)
+    if layout.recompute == "full" and full_layers < shape.layers:  # recompute_layers K
+        fraction = full_layers / shape.layers
+        kept = fraction * per_token("full") + (1 - fraction) * per_token("none")
+        recomputed_layers = full_layers
+    else:
+        kept = per_token(layout.recompute)
+        recomputed_layers = shape.layers if layout.recompute != "none" else 0
+    # RoPE's cos/sin tables, fp32 [seq, head_dim/2] each, per layer and micro-batch, where
+    # the layer keeps them (not where it recomputes its whole block or its elementwise ops).
+    rope_layers = shape.layers - full_layers
+    if layout.recompute == "op":
+        rope_layers = 0
+    rope = rope_layers * model.seq_len / layout.cp * model.head_dim * 4
     moe_fixed = shape.moe_layers * moe_layer_bytes(model, layout) if shape.moe_layers else 0.0
     per_chunk = (tokens * kept + rope + moe_fixed) / stage_chunks(layout)
-    recomputed = tokens * (per_token("none") - kept) / shape.layers
+    recomputed = tokens * (per_token("none") - kept) / shape.layers if recomputed_layers else 0.0
     incoming = tokens * h / (tp if sp else 1) * c
     if shape.moe_layers == shape.layers:
         # The experts' SwiGLU runs on k rows per token, and one gradient covers a weight of
@@ -561,42 +653,43 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         moe = model.moe
         rows, ef = tokens * moe.top_k, moe.expert_ffn_hidden_size
         ffn_grad = rows * ef * c
-        weight_grad = moe.num_experts / layout.ep * h * ef * prec.grad
+        weight_grad = moe.num_experts / layout.ep * h * ef * c
         incoming -= rows * 8 + rows * c
         if moe.num_shared_experts:
             incoming += tokens * h * c - tokens * 4 * moe.num_shared_experts * ef * c
     else:
-        ffn_grad, weight_grad = tokens * model.ffn_hidden_size / tp * c, h * model.ffn_hidden_size / tp * prec.grad
-    vocab = tokens * model.vocab_size / tp  # elements of one micro-batch's logits
-    final_norm = tokens * saved_bytes_per_token(fig.final_norm[c], tp, sp, "none", block_input) if shape.last else 0.0
+        ffn_grad, weight_grad = tokens * model.ffn_hidden_size / tp * c, h * model.ffn_hidden_size / tp * c
+    logits, loss_backward = loss_bytes(model, layout, prec)
+    lse = 4 * tokens
+    final_norm = tokens * SavedTotals.of(norm_saved_tensors(model, c, "final")).per_token(tp, sp) if shape.last \
+        else 0.0
     m, v = layout.grad_accum(model), stage_chunks(layout)
 
-    peaks: dict[str, tuple[float, float, float]] = {}
+    peaks: dict[str, tuple[float, ...]] = {}
 
-    def keep(phase: str, grads: float, activations: float, logits: float) -> None:
-        if phase not in peaks or grads + activations + logits > sum(peaks[phase]):
-            peaks[phase] = (grads, activations, logits)
+    def keep(phase: str, *terms: float) -> None:
+        if phase not in peaks or sum(terms) > sum(peaks[phase]):
+            peaks[phase] = terms
 
     extras = _pipeline_extras(model, layout, prec, shape) if layout.pp > 1 else lambda chunks, postponed: 0.0
     for chunks, postponed in points:
         accumulating = m * v > chunks
-        grads = full_grads if accumulating else 0.0
-        stored = chunks * per_chunk + extras(chunks, postponed)
-        swiglu = incoming + (max(weight_grad + ffn_grad, 2 * ffn_grad) if accumulating else weight_grad + 2 * ffn_grad)
-        layer_grads = grads or head_grads
+        grads = state.grads if not state.sharded or accumulating else 0.0
+        stored = chunks * per_chunk
+        pipeline = extras(chunks, postponed)
+        swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
         if not shape.last:
-            keep("layer_backward", layer_grads, stored + recomputed + swiglu, 0.0)
+            keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu)
         elif layout.pp == 1:
-            keep("layer_backward", layer_grads, stored + recomputed + swiglu, 0.0)
-            keep("loss_backward", grads, stored + final_norm, 12 * vocab)
+            keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu)
+            keep("loss_backward", grads, stored + final_norm, pipeline, logits + lse, loss_backward)
         else:
             # V schedules run the last stage's backward right after its forward. Under a
             # split backward the others have had their input step, which frees the logits
-            # and the log_softmax output and keeps the head's output gradient instead.
+            # and keeps the head's output gradient instead (as large).
             schedule = SCHEDULES[layout.schedule]
             waiting = 0 if schedule.v_shape else max(1, chunks // v) - 1
-            split = schedule.split_backward
-            saved = waiting * (final_norm + vocab * (c if split else 4 + c))
-            keep("layer_backward", layer_grads, stored + recomputed + swiglu + saved, vocab * c)
-            keep("loss_backward", grads, stored + final_norm + saved, vocab * (4 + c + 8))
+            saved = waiting * (final_norm + logits + (0.0 if schedule.split_backward else lse))
+            keep("layer_backward", grads, stored + recomputed + saved, pipeline, logits, swiglu)
+            keep("loss_backward", grads, stored + final_norm + saved, pipeline, logits + lse, loss_backward)
     return peaks

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from autotune.config import HardwareConfig, ModelConfig
-from autotune.estimate_memory import RankShape, model_figures, precision, reshards_after_forward, stage_chunks
+from autotune.estimate_memory import (
+    RankShape,
+    full_recompute_layers,
+    model_figures,
+    precision,
+    reshards_after_forward,
+    stage_chunks,
+)
 from autotune.layout import Layout
 from autotune.mesh_layout import Group, ParallelDims
 from autotune.schedules import SCHEDULES
@@ -146,12 +153,15 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     act_bytes = tokens * h * c
     core = 4 * tokens * model.num_heads * model.head_dim * model.seq_len / tp / flops_per_s
 
-    def layer(mlp_params: float) -> tuple[float, float, float]:
+    def layer(mlp_params: float, mode: str) -> tuple[float, float, float]:
         matmul = 2 * tokens * (fig.attention / tp + mlp_params) / flops_per_s
-        recompute = {"none": 0.0, "selective": core, "op": 0.0, "full": matmul + core}[layout.recompute]
+        recompute = {"none": 0.0, "selective": core, "op": 0.0, "full": matmul + core}[mode]
         return matmul + core, matmul + 2 * core + recompute, matmul
 
-    dense_layer, moe_layer = layer(fig.dense_mlp / tp), layer(fig.moe_active)
+    # Under recompute_layers K only the first K layers of each stage rerun in full.
+    kept_mode = "none" if layout.recompute == "full" else layout.recompute
+    dense_layer, moe_layer = layer(fig.dense_mlp / tp, layout.recompute), layer(fig.moe_active, layout.recompute)
+    dense_kept, moe_kept = layer(fig.dense_mlp / tp, kept_mode), layer(fig.moe_active, kept_mode)
     head = 2 * tokens * h * model.vocab_size / tp / flops_per_s
     tp_pass = tp_edge = 0.0
     if tp > 1:
@@ -181,8 +191,11 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     works = []
     for shape in shapes:
         work, layers = MicrobatchWork(), shape.layers
-        work.add(dense_layer, layers - shape.moe_layers)
-        work.add(moe_layer, shape.moe_layers)
+        rebuilt = full_recompute_layers(layout, shape) / layers if layout.recompute == "full" and layers else 1.0
+        work.add(dense_layer, rebuilt * (layers - shape.moe_layers))
+        work.add(moe_layer, rebuilt * shape.moe_layers)
+        work.add(dense_kept, (1 - rebuilt) * (layers - shape.moe_layers))
+        work.add(moe_kept, (1 - rebuilt) * shape.moe_layers)
         if shape.last:
             work.add((head, head, head))
         if tp > 1:
@@ -217,7 +230,7 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     # only in dp, dp_shard or zero share it.
     memo = model_figures(model).peaks
     key = ("work", tuple(map(id, shapes)), links, flops_per_s, prec.compute, layout.mbs, layout.cp, layout.tp,
-           layout.sp, layout.recompute, layout.ep)  # shapes are memoised: one object per shape
+           layout.sp, layout.recompute, layout.recompute_layers, layout.ep)  # shapes are memoised: one object per shape
     work = memo.get(key)
     if work is None:
         work = memo[key] = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes, groups),
@@ -238,6 +251,8 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
         reduce = (links.gather_or_scatter(grads, shard) + links.all_reduce(grads / shard.size, replicas)
                   + links.gather_or_scatter(expert_grads, expert_shard)
                   + links.all_reduce(expert_grads / expert_shard.size, replicas))
+        if layout.zero >= 2 and layout.pp == 1:  # FSDP reduce-scatters every micro-batch's gradients
+            reduce *= m
     # All-gathers of the working copy: zero 2 once per micro-batch (FSDP2 reshards after
     # each backward), zero 3 twice (forward and backward); under PP once per step.
     gathers = 0 if layout.zero < 2 else 1 if layout.pp > 1 else m * (2 if reshards_after_forward(layout) else 1)
@@ -247,8 +262,8 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     dp_exposed = max(reduce / layers, reduce - work.backward_input - work.backward_weight) if reduce else 0.0
     dp_exposed += max(gather / layers, gather - compute) if gather else 0.0
     if layout.zero == 1:  # each rank updated its shard; the shard group gathers them all
-        after_step = (links.gather_or_scatter(prec.master * params.dense_params, shard)
-                      + links.gather_or_scatter(prec.master * params.expert_params, expert_shard))
+        after_step = (links.gather_or_scatter(prec.compute * params.dense_params, shard)
+                      + links.gather_or_scatter(prec.compute * params.expert_params, expert_shard))
         gather += after_step
         dp_exposed += after_step
     if reduce + gather:
