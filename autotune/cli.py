@@ -468,6 +468,11 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+# The exit status when the reader of our output left: 1, as rich's console exits when it
+# meets a closed pipe, so a table and a JSON document end the same way.
+CLOSED_PIPE_STATUS = 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -475,6 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"autotune {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (`autotune estimate ... | head`): stop quietly, as Unix tools do.
+        # stdout goes to /dev/null so that Python's flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLOSED_PIPE_STATUS
 
 
 if __name__ == "__main__":

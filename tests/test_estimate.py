@@ -503,3 +503,15 @@ def test_estimate_modules_do_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     json.loads(result.stdout)
+
+
+def test_output_into_a_closed_pipe_exits_quietly():
+    """`autotune estimate ... | head`: the reader leaves early; no traceback, exit 1 (as
+    rich's console exits), for the JSON document and the table alike."""
+    for fmt in (["--json"], []):
+        proc = subprocess.Popen([sys.executable, "-m", "autotune", "estimate", "--model", "tiny", "--gpus", "8",
+                                 "--top", "400", *fmt], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.read(100)
+        proc.stdout.close()  # the reader leaves long before the output ends
+        assert proc.wait(timeout=120) == 1
+        assert proc.stderr.read() == b""
