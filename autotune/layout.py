@@ -131,7 +131,8 @@ def parse_layout(text: str) -> dict:
 
 
 def resolve(given: dict | str, model: ModelConfig, gpus: int, gpus_per_node: int | None = None) -> Layout:
-    """Fill in omitted keys (dp derived, dp_shard = dp) and check every rule."""
+    """Fill in omitted keys (dp derived, dp_shard = dp, vpp 2 under a V schedule) and
+    check every rule."""
     if isinstance(given, str):
         given = parse_layout(given)
     given = dict(given)
@@ -154,6 +155,9 @@ def resolve(given: dict | str, model: ModelConfig, gpus: int, gpus_per_node: int
             raise UsageError(f"layout: tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel} must divide --gpus {gpus}")
         given["dp"] = gpus // model_parallel
     given.setdefault("dp_shard", given["dp"])
+    schedule = SCHEDULES.get(given.get("schedule", DEFAULT_SCHEDULE))
+    if "vpp" not in given and schedule is not None and schedule.placement == "v":
+        given["vpp"] = 2  # a V schedule runs two stages per rank: nothing else to choose
     layout = Layout(**given)
     check(layout, model, gpus, gpus_per_node)
     return layout

@@ -56,7 +56,7 @@ def test_parse_errors(text, message):
                                                 r"rounds of pp, so grad_accum must be a multiple of "
                                                 r"max\(1, grad_accum // pp\) = 5"),
     ("pp=2,vpp=2", 2, r"layout.vpp: schedule 1f1b runs one stage per rank, so vpp must be 1"),
-    ("pp=2,schedule=zbv", 2, r"layout.vpp: schedule zbv runs two stages per rank, so vpp must be 2"),
+    ("pp=2,schedule=zbv,vpp=4", 2, r"layout.vpp: schedule zbv runs two stages per rank, so vpp must be 2"),
     ("vpp=2", 1, r"layout.vpp: virtual stages need pp > 1"),
     ("pp=2,schedule=wavy", 2, r"layout.schedule: must be one of gpipe, 1f1b"),
     ("recompute=some", 1, r"layout.recompute: must be one of none, selective, op, full, got 'some'"),
@@ -70,6 +70,12 @@ def test_rules_name_the_key_and_the_numbers(text, gpus, message):
 
 TORCH_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
                    "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+
+
+def test_a_v_schedule_without_vpp_takes_its_two_stages_per_rank():
+    for schedule in ("zbv", "dualpipev"):
+        assert resolve(f"pp=2,schedule={schedule}", TINY, 2).vpp == 2
+    assert resolve("pp=2,schedule=interleaved_1f1b", TINY, 2).vpp == 1  # looped: vpp is a choice
 
 
 def test_pipeline_rules_accept_exactly_what_torch_schedules_accept():
