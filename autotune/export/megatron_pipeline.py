@@ -58,7 +58,7 @@ def pipeline_flags(t: Target, add) -> str | None:
             f"every stage's layers named, embedding (E) in the first, loss and head (L) in the last; "
             f"{stages} stages on {L.pp} ranks" + (f" = {L.vpp} virtual stages per rank" if L.vpp > 1 else ""))
     if L.vpp == 1:
-        status = "exact" if L.schedule == "1f1b" else "approximate"
+        status = "exact" if schedule.megatron_exact else "approximate"
         add(f"schedule={L.schedule}", status, [],
             "Megatron-LM runs 1F1B without virtual stages" if status == "exact" else
             f"Megatron-LM has no {L.schedule}: 1F1B runs (the same bubble, at most pp micro-batches in flight)")
@@ -69,7 +69,7 @@ def pipeline_flags(t: Target, add) -> str | None:
         return (f"Megatron-LM's interleaved schedule needs at least pp ({L.pp}) micro-batches per step, "
                 f"this layout has grad_accum = {m}")
     flags = [] if group == L.pp else ["--microbatch-group-size-per-virtual-pipeline-stage", str(group)]
-    if L.schedule == "interleaved_1f1b":
+    if schedule.megatron_exact:
         add(f"schedule={L.schedule}", "exact", flags,
             f"interleaved 1F1B over the virtual stages, in rounds of {group} micro-batches as torch's")
     else:
