@@ -28,6 +28,7 @@ from autotune.config import (
     model_presets,
 )
 from autotune.errors import UsageError
+from autotune.export.command import add_export_parser
 from autotune.launch import LAUNCHERS
 from autotune.layout import resolve
 from autotune.record import COMPLETE, DEFAULT_MAX_COMM_FRACTION, METRICS, OBJECTIVES, SAMPLER_NAMES
@@ -188,6 +189,7 @@ def build_parser() -> Parser:
     p.add_argument("--study-name", default=None, help="the study to report (default: the storage's only one)")
     p.set_defaults(func=cmd_report)
     add_estimate_parser(sub)
+    add_export_parser(sub, positive_int)
     return parser
 
 

@@ -1,9 +1,10 @@
 """Our layouts in other frameworks' terms: Megatron-LM, torchtitan and DeepSpeed.
 
-    megatron    Megatron-LM arguments
-    torchtitan  torchtitan's [parallelism], [training] and [activation_checkpoint]
+    megatron    Megatron-LM arguments (megatron_pipeline: the stage split and schedule)
+    torchtitan  a torchtitan 0.3.0 command line: --module, --config and overrides
     deepspeed   a DeepSpeed config, where one applies
     ours        our own runtime: the layout string, `autotune trial`, torchrun
+    command     `autotune export`: these files for any layout, without a sweep
 
 No framework has every one of our settings, so each translation lists each setting
 as `exact` (the same thing), `approximate` (the nearest there, written) or `none`
@@ -37,6 +38,7 @@ class Export:
     content: str | None  # None: this framework cannot express the layout (why: `reason`)
     mappings: list[Mapping] = field(default_factory=list)
     reason: str = ""
+    args: list[str] = field(default_factory=list)  # a command line's arguments as written, for checking
 
 
 @dataclass

@@ -1,4 +1,13 @@
-"""A DeepSpeed config for a layout, where DeepSpeed's config can express it."""
+"""A DeepSpeed (>= 0.19.5) config for a layout, where DeepSpeed's config can express it.
+
+DeepSpeedConfig checks train_batch_size = micro batch x accumulation x its world size,
+and its world size is the data-parallel size only when the caller passes an mpu;
+without one it is every rank, TP ranks included. So under AutoTP train_batch_size is
+left out: DeepSpeed derives it from the other two, and the config passes either way.
+AutoTP combines with ZeRO-3 since 0.19.5, and expert parallel is a config key since
+0.19.2 (`expert_parallel.autoep_size`; AutoEP groups experts over the ranks of a
+stage, TP lanes included, and takes TP only from the config, not from an mpu).
+"""
 
 from __future__ import annotations
 
@@ -10,37 +19,45 @@ from autotune.export import Export, Mapping, Target
 def deepspeed(t: Target) -> Export:
     L, m, maps = t.layout, t.model, []
     why_not = [reason for cond, reason in (
-        (L.pp > 1, "pipeline parallel is DeepSpeed's PipelineModule, set up in code (and limited to ZeRO-1)"),
+        (L.pp > 1, "pipeline parallel is DeepSpeed's PipelineModule, set up in code"),
         (L.cp > 1, "DeepSpeed has no ring-attention context parallel (Ulysses splits heads instead)"),
-        (L.tp > 1 and L.zero == 3, "DeepSpeed's AutoTP training combines with ZeRO stages 0-2 only"),
     ) if cond]
     if why_not:
         return Export("DeepSpeed", "deepspeed.json", None, reason="; ".join(why_not))
-    config: dict = {"train_batch_size": m.global_batch_size, "train_micro_batch_size_per_gpu": L.mbs,
-                    "gradient_accumulation_steps": t.grad_accum, "zero_optimization": {"stage": L.zero}}
-    maps.append(Mapping(f"mbs={L.mbs}, grad_accum={t.grad_accum}", "exact",
-                        f"train_micro_batch_size_per_gpu = {L.mbs}, gradient_accumulation_steps = {t.grad_accum}, "
-                        f"train_batch_size = {m.global_batch_size}"))
+    config: dict = {"train_micro_batch_size_per_gpu": L.mbs, "gradient_accumulation_steps": t.grad_accum}
+    if L.tp == 1:
+        config = {"train_batch_size": m.global_batch_size, **config}
+        maps.append(Mapping(f"mbs={L.mbs}, grad_accum={t.grad_accum}", "exact",
+                            f"train_micro_batch_size_per_gpu = {L.mbs}, gradient_accumulation_steps = "
+                            f"{t.grad_accum}, train_batch_size = {m.global_batch_size}"))
+    else:
+        maps.append(Mapping(f"mbs={L.mbs}, grad_accum={t.grad_accum}", "exact",
+                            f"train_micro_batch_size_per_gpu = {L.mbs}, gradient_accumulation_steps = "
+                            f"{t.grad_accum}",
+                            f"train_batch_size ({m.global_batch_size}) left out: without an mpu DeepSpeedConfig "
+                            f"counts the TP ranks as data parallel and would refuse it; it derives its own from "
+                            "these two"))
+    config["zero_optimization"] = {"stage": L.zero}
     maps.append(Mapping(f"zero={L.zero}", "exact", f"zero_optimization.stage = {L.zero}"))
     if L.dp > 1 and L.dp_shard < L.dp:
-        if L.zero == 3:
-            config["zero_optimization"]["mics_shard_size"] = L.dp_shard
-            maps.append(Mapping(f"dp_shard={L.dp_shard} (HSDP)", "approximate", f"mics_shard_size = {L.dp_shard}",
-                                "MiCS shards within groups and replicates across them; build the model under "
-                                "deepspeed.zero.MiCS_Init"))
-        else:
-            maps.append(Mapping(f"dp_shard={L.dp_shard} (HSDP)", "none", "",
-                                "ZeRO-1/2 shard over every data-parallel rank: state is split dp ways, not "
-                                f"{L.dp_shard}"))
+        maps.append(Mapping(f"dp_shard={L.dp_shard} (HSDP)", "none", "",
+                            f"ZeRO shards over every data-parallel rank: state is split dp ({L.dp}) ways, not "
+                            f"{L.dp_shard} (DeepSpeed removed MiCS, its sharding within groups)"))
     if L.tp > 1:
         config["tensor_parallel"] = {"autotp_size": L.tp}
         maps.append(Mapping(f"tp={L.tp}", "approximate", f"tensor_parallel.autotp_size = {L.tp}",
-                            "AutoTP shards the model's Linear layers by its own rules"))
+                            "AutoTP shards the model's Linear layers by its own rules"
+                            + ("; with ZeRO-3 since DeepSpeed 0.19.5" if L.zero == 3 else "")))
         if L.sp:
             maps.append(Mapping("sp=1", "none", "", "AutoTP has no sequence parallel"))
     if L.ep > 1:
-        maps.append(Mapping(f"ep={L.ep}", "none", "", "DeepSpeed-MoE takes ep_size in code "
-                                                      "(deepspeed.moe.layer.MoE), not in the config"))
+        config["expert_parallel"] = {"enabled": True, "autoep_size": L.ep}
+        maps.append(Mapping(f"ep={L.ep}", "exact" if L.tp == 1 else "approximate",
+                            f"expert_parallel = {{enabled: true, autoep_size: {L.ep}}}",
+                            f"{m.moe.num_experts // L.ep} experts per rank; AutoEP finds the MoE layers of known "
+                            "models (else set its expert_pattern and router_pattern)"
+                            + ("" if L.tp == 1 else "; its EP groups span TP lanes, ours carve EP from dp_shard, "
+                                                   "and it takes TP from the config only: pass no mpu")))
     if L.recompute != "none":
         maps.append(Mapping(f"recompute={L.recompute}", "none", "",
                             "checkpointing is called from the model's code (deepspeed.checkpointing.checkpoint "
@@ -48,4 +65,6 @@ def deepspeed(t: Target) -> Export:
     if m.dtype == "bf16":
         config["bf16"] = {"enabled": True}
         maps.append(Mapping("dtype=bf16", "exact", "bf16.enabled = true"))
+    elif m.dtype != "fp32":
+        maps.append(Mapping(f"dtype={m.dtype}", "none", "", "not translated"))
     return Export("DeepSpeed", "deepspeed.json", json.dumps(config, indent=2) + "\n", maps)

@@ -1,94 +1,178 @@
-"""torchtitan settings for a layout."""
+"""A torchtitan 0.3.0 command line for a layout (torchtitan.sh).
+
+torchtitan 0.3.0 reads no TOML: a Python config function (`--module llama3 --config
+llama3_8b`) gives the model and its defaults, and `--section.key value` overrides
+change them, parsed by its ConfigManager (tyro); activation checkpointing is chosen
+by a trailing `activation-checkpoint:<mode>`. The model's dimensions live in the
+config function, so a model torchtitan ships no config for starts from the nearest
+one, named in the mapping, whose dimensions the user replaces in a config function of
+their own.
+
+torchtitan's EP borrows ranks from FSDP and TP (dp_shard*cp*tp = efsdp*ep); ours
+carves EP from dp_shard x cp only, so the two agree where tp = 1.
+"""
 
 from __future__ import annotations
 
-import json
+import shlex
 
 from autotune.export import Export, Mapping, Target, comment_block
 from autotune.schedules import SCHEDULES
 
+# Our presets that torchtitan 0.3.0 has a config function for: (module, config).
+CONFIGS = {
+    "llama3-8b": ("llama3", "llama3_8b"),
+    "llama3-70b": ("llama3", "llama3_70b"),
+    "llama3-405b": ("llama3", "llama3_405b"),
+    "qwen3-30b-a3b": ("qwen3", "qwen3_30b_a3b"),
+}
+# Where a model has none: the nearest to start from (a small one for our tiny presets).
+START_FROM = {"tiny": ("llama3", "llama3_debugmodel"), "tiny-moe": ("qwen3", "qwen3_moe_debug")}
+DENSE_START, MOE_START = ("llama3", "llama3_8b"), ("qwen3", "qwen3_30b_a3b")
+
+AC_MODES = {"none": "none", "selective": "selective", "op": "selective", "full": "full"}
+
+
+def config_for(t: Target) -> tuple[str, str, Mapping]:
+    """torchtitan's --module and --config for the model, with how well they match."""
+    name = t.model.name
+    if name in CONFIGS:
+        module, config = CONFIGS[name]
+        return module, config, Mapping(f"model {name}", "exact", f"--module {module} --config {config}",
+                                       "torchtitan's own config of this model")
+    module, config = START_FROM.get(name, MOE_START if t.model.moe else DENSE_START)
+    return module, config, Mapping(
+        f"model {name}", "approximate", f"--module {module} --config {config}",
+        f"torchtitan 0.3.0 has no config of {name}: start from {module}.{config} "
+        f"({'a token-choice MoE' if t.model.moe else 'a dense decoder'}), copy it into a config function of your "
+        "own with this model's dimensions, and pass that function's module and name instead")
+
 
 def torchtitan(t: Target) -> Export:
     L, m, maps = t.layout, t.model, []
-    par: dict = {}
-    other_dims = L.tp > 1 or L.pp > 1 or L.cp > 1
-    if L.dp == 1:
-        par.update(data_parallel_replicate_degree=1, data_parallel_shard_degree=1)
-        maps.append(Mapping("dp=1", "exact", "data_parallel_*_degree = 1"))
-    elif L.zero == 0 and not other_dims:
-        par.update(data_parallel_replicate_degree=L.dp, data_parallel_shard_degree=1)
-        maps.append(Mapping(f"dp={L.dp}, zero=0", "exact", f"data_parallel_replicate_degree = {L.dp}",
-                            "plain data parallel (DDP)"))
-    else:
-        par.update(data_parallel_replicate_degree=L.dp_replicate, data_parallel_shard_degree=L.dp_shard,
-                   fsdp_reshard_after_forward="always" if L.zero == 3 else "never")
-        written = (f"data_parallel_shard_degree = {L.dp_shard}, replicate = {L.dp_replicate}, "
-                   f"fsdp_reshard_after_forward = \"{par['fsdp_reshard_after_forward']}\"")
-        if L.zero in (2, 3):
-            maps.append(Mapping(f"dp={L.dp}, dp_shard={L.dp_shard}, zero={L.zero}", "exact", written,
-                                "FSDP2 over dp_shard (x cp), as ours" + ("; HSDP across the replicas"
-                                                                         if L.dp_shard < L.dp else "")))
-        else:
-            why = ("torchtitan has no ZeRO-1 (optimizer-only sharding)" if L.zero == 1 else
-                   "torchtitan's DDP does not combine with TP, PP or CP")
-            maps.append(Mapping(f"dp={L.dp}, zero={L.zero}", "approximate", written,
-                                f"{why}: the nearest, FSDP without resharding after forward (zero=2), is written"))
-    par["tensor_parallel_degree"] = L.tp
-    maps.append(Mapping(f"tp={L.tp}", "exact", f"tensor_parallel_degree = {L.tp}"))
+    module, config, model_map = config_for(t)
+    args = ["--module", module, "--config", config]
+    maps.append(model_map)
+
+    def add(ours: str, status: str, values: dict | list[str], note: str = "") -> None:
+        """Write {section.key: value} as tyro's flags (bools as --section.key / --section.no-key),
+        or a list of arguments as it is."""
+        written = list(values) if isinstance(values, list) else []
+        for key, value in values.items() if isinstance(values, dict) else ():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                section, _, name = flag.partition(".")
+                written.append(flag if value else f"{section}.no-{name}")
+            else:
+                written += [flag, str(value)]
+        args.extend(written)
+        maps.append(Mapping(ours, status, " ".join(written), note))
+
+    _data_parallel(t, add)
+    add(f"tp={L.tp}", "exact", {"parallelism.tensor_parallel_degree": L.tp})
     if L.tp > 1:
-        par["enable_async_tensor_parallel"] = False
-        maps.append(Mapping(f"sp={L.sp}", "exact" if L.sp else "approximate",
-                            "" if L.sp else "# enable_sequence_parallel = false",
-                            "torchtitan's TP includes sequence parallel" if L.sp else
-                            "TOML-era torchtitan always adds sequence parallel to TP; newer versions take "
-                            "enable_sequence_parallel = false (written commented out)"))
-    par["pipeline_parallel_degree"] = L.pp
-    maps.append(Mapping(f"pp={L.pp}", "exact", f"pipeline_parallel_degree = {L.pp}"))
+        add(f"sp={L.sp}", "exact", {"parallelism.enable_sequence_parallel": bool(L.sp)})
+    add(f"pp={L.pp}", "exact", {"parallelism.pipeline_parallel_degree": L.pp})
     if L.pp > 1:
-        split_points = [f"layers.{span.start}" for span in t.stage_layers[1:]]
-        par.update(pipeline_parallel_schedule=SCHEDULES[L.schedule].torchtitan,
-                   pipeline_parallel_split_points=split_points, pipeline_parallel_microbatch_size=L.mbs)
-        maps.append(Mapping(f"schedule={L.schedule}", "exact",
-                            f"pipeline_parallel_schedule = \"{SCHEDULES[L.schedule].torchtitan}\"",
-                            "the same torch.distributed.pipelining schedule"))
-        maps.append(Mapping(f"vpp={L.vpp}, stages {[len(span) for span in t.stage_layers]} layers", "exact",
-                            f"pipeline_parallel_split_points = {split_points}",
-                            "each split point starts a stage, so the stages hold our layers; newer torchtitan "
-                            "names every stage's modules in module_fqns_per_model_part instead"))
-    par["context_parallel_degree"] = L.cp
-    maps.append(Mapping(f"cp={L.cp}", "exact" if L.cp == 1 else "approximate", f"context_parallel_degree = {L.cp}",
-                        "" if L.cp == 1 else "the same head-tail sharding; torchtitan exchanges KV with torch's "
-                                             "context_parallel (all-gather by default) where ours passes a ring"))
-    par["expert_parallel_degree"] = L.ep
-    maps.append(Mapping(f"ep={L.ep}", "exact", f"expert_parallel_degree = {L.ep}",
-                        "EP carved from dp_shard x cp in both" if L.ep > 1 else ""))
-    training = {"local_batch_size": L.mbs * t.grad_accum if L.pp > 1 else L.mbs,
-                "global_batch_size": m.global_batch_size, "seq_len": m.seq_len,
-                "mixed_precision_param": "bfloat16" if m.dtype == "bf16" else "float32",
-                "mixed_precision_reduce": "float32"}
-    maps.append(Mapping(f"mbs={L.mbs}, grad_accum={t.grad_accum}", "exact",
-                        f"local_batch_size = {training['local_batch_size']}, global_batch_size = "
-                        f"{m.global_batch_size}" + (f", pipeline_parallel_microbatch_size = {L.mbs}" if L.pp > 1
-                                                    else ""),
-                        "torchtitan derives the accumulation from global / (local x dp)" if L.pp == 1 else
-                        f"{t.grad_accum} pipeline micro-batches per step (newer torchtitan: num_pp_microbatches = "
-                        f"{t.grad_accum})"))
-    ac = {"mode": L.recompute}
-    if L.recompute == "selective":
-        ac["selective_ac_option"] = "op"
-    maps.append(Mapping(f"recompute={L.recompute}", "approximate" if L.recompute == "selective" else "exact",
-                        f"[activation_checkpoint] mode = \"{L.recompute}\"",
-                        "torchtitan's op-level selective checkpointing saves some matmuls and recomputes the "
-                        "rest, not exactly the attention core" if L.recompute == "selective" else ""))
-    lines = [f"# torchtitan settings for the layout autotune recommends: {L.short()} on {t.gpus} GPUs.",
-             "# Merge into your train config (TOML JobConfig); keys follow torchtitan's [parallelism],",
-             "# [training] and [activation_checkpoint] sections.", "#", *comment_block(maps), "",
-             "[parallelism]", *toml_items(par)]
-    if L.tp > 1 and not L.sp:
-        lines.append("# enable_sequence_parallel = false   # newer torchtitan only")
-    lines += ["", "[training]", *toml_items(training), "", "[activation_checkpoint]", *toml_items(ac)]
-    return Export("torchtitan", "torchtitan.toml", "\n".join(lines) + "\n", maps)
+        _pipeline(t, add)
+    add(f"cp={L.cp}", "exact" if L.cp == 1 else "approximate", {"parallelism.context_parallel_degree": L.cp},
+        "" if L.cp == 1 else "the same head-tail load balancing; torchtitan exchanges KV with torch's "
+                             "context_parallel where ours passes KV blocks round a ring")
+    if m.moe is not None or L.ep > 1:
+        add(f"ep={L.ep}", "exact" if L.tp == 1 or L.ep == 1 else "approximate",
+            {"parallelism.expert_parallel_degree": L.ep},
+            "" if L.ep == 1 else "EP carved from dp_shard x cp, as ours" if L.tp == 1 else
+            f"the same {m.moe.num_experts // L.ep} experts per rank, but torchtitan's EP groups take ranks from "
+            "dp_shard x cp x tp, ours from dp_shard x cp")
+    add("eager steps (no CUDA graphs)", "exact", {"training.disable_cuda_graphs": True},
+        "as ours; torchtitan 0.3.0 captures CUDA graphs by default and refuses them with PP")
+    local = L.mbs * t.grad_accum if L.pp > 1 else L.mbs
+    add(f"mbs={L.mbs}, grad_accum={t.grad_accum}", "exact",
+        {"training.local_batch_size": local, "training.global_batch_size": m.global_batch_size,
+         "training.seq_len": m.seq_len},
+        "torchtitan accumulates global / (local x dp) steps" if L.pp == 1 else
+        f"one local batch of {t.grad_accum} pipeline micro-batches of {L.mbs} per step")
+    if m.dtype == "bf16":
+        add("dtype=bf16", "exact", {"training.mixed_precision_param": "bfloat16"},
+            "bf16 compute on fp32 weights, fp32 gradient reduction")
+    elif m.dtype == "fp32":
+        add("dtype=fp32", "exact", {"training.mixed_precision_param": "float32"})
+    else:
+        maps.append(Mapping(f"dtype={m.dtype}", "none", "", "torchtitan selects it by its model converters"))
+    mode = AC_MODES[L.recompute]
+    exact = L.recompute in ("none", "op") or (L.recompute == "full" and not L.recompute_layers)
+    note = {"selective": "torchtitan's selective checkpointing is per-op (it keeps matmul outputs), not the "
+                         "attention core alone",
+            "op": "per-op: matmul outputs kept, the cheap ops recomputed, as ours",
+            "full": "torchtitan recomputes every layer, ours the first K of each stage" if L.recompute_layers
+            else "every layer recomputed from its input"}.get(L.recompute, "")
+    args.append(f"activation-checkpoint:{mode}")
+    maps.append(Mapping(f"recompute={L.recompute}" + (f":{L.recompute_layers}" if L.recompute_layers else ""),
+                        "exact" if exact else "approximate", f"activation-checkpoint:{mode}", note))
+    return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args)
 
 
-def toml_items(values: dict) -> list[str]:
-    return [f"{k} = {json.dumps(v)}" for k, v in values.items()]  # ints, bools, strings: JSON == TOML here
+def _data_parallel(t: Target, add) -> None:
+    L = t.layout
+    if L.dp == 1 or L.zero == 0:
+        add(f"dp={L.dp}, zero=0", "exact" if L.cp == 1 else "approximate",
+            {"parallelism.data_parallel_replicate_degree": L.dp, "parallelism.data_parallel_shard_degree": 1},
+            ("replicated weights, gradients all-reduced" if L.cp == 1 else
+             "torchtitan always shards the weights over the cp ranks (FSDP over dp_shard x cp); ours keeps "
+             "them whole"))
+        return
+    reshard = "always" if L.zero == 3 else "never"
+    values = {"parallelism.data_parallel_replicate_degree": L.dp_replicate,
+              "parallelism.data_parallel_shard_degree": L.dp_shard,
+              "parallelism.fsdp_reshard_after_forward": reshard}
+    hsdp = "; HSDP across the replicas" if L.dp_shard < L.dp else ""
+    if L.zero in (2, 3):
+        add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero={L.zero}", "exact", values, f"FSDP2 over dp_shard (x cp){hsdp}")
+    else:
+        add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero=1", "approximate", values,
+            "torchtitan has no optimizer-only sharding (ZeRO-1): the nearest, FSDP2 without resharding after "
+            f"forward (zero=2), is written{hsdp}")
+
+
+def _pipeline(t: Target, add) -> None:
+    L = t.layout
+    sizes = [len(span) for span in t.stage_layers]
+    parts = []
+    for i, span in enumerate(t.stage_layers):
+        names = [f"layers.{k}" for k in span]
+        if i == 0:
+            names.insert(0, "tok_embeddings")
+        if i == len(t.stage_layers) - 1:
+            names += ["norm", "lm_head"]
+        parts.append(",".join(names))
+    schedule = SCHEDULES[L.schedule].torchtitan
+    add(f"schedule={L.schedule}", "exact", {"parallelism.pipeline_parallel_schedule": schedule},
+        "the same torch.distributed.pipelining schedule")
+    add(f"vpp={L.vpp}, stages {sizes}", "exact", ["--parallelism.module-fqns-per-model-part", *parts],
+        f"every stage's modules named, in stage order: {len(parts)} stages on {L.pp} ranks")
+    add(f"mbs={L.mbs} (pipeline micro-batch)", "exact", {"parallelism.pipeline_parallel_microbatch_size": L.mbs})
+
+
+def script(t: Target, maps: list[Mapping], args: list[str]) -> str:
+    L, nodes = t.layout, t.nodes
+    launch = f"torchrun --nproc-per-node={t.gpus // nodes}" + (
+        " --standalone" if nodes == 1 else
+        f" --nnodes={nodes} --rdzv-backend=c10d --rdzv-endpoint=\"${{MASTER_ADDR:?}}:${{MASTER_PORT:-29500}}\"")
+    lines = ["#!/usr/bin/env bash", f"# torchtitan 0.3.0 for the layout: {L.short()} on {t.gpus} GPUs.",
+             "# Run from a torchtitan checkout (its assets), on each node; extra arguments are passed on:",
+             "#   ./torchtitan.sh --training.steps 1000", "#", *comment_block(maps), "",
+             "set -euo pipefail", "TORCHTITAN_ARGS=("]
+    *options, mode = args  # the activation-checkpoint subcommand comes last, after any extra options
+    lines += [f"  {' '.join(map(shlex.quote, line))}" for line in arg_lines(options)]
+    lines += [")", f"exec {launch} -m torchtitan.train \"${{TORCHTITAN_ARGS[@]}}\" \"$@\" {mode}", ""]
+    return "\n".join(lines)
+
+
+def arg_lines(args: list[str]) -> list[list[str]]:
+    lines: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not lines:
+            lines.append([arg])
+        else:
+            lines[-1].append(arg)
+    return lines

@@ -3,8 +3,8 @@
     layout.txt          the layout string for `autotune trial --layout`, and the command
     model.yaml          the model, so the commands here run as they are
     torchrun.sh         the torchrun command for our runtime
-    megatron_args.sh    Megatron-LM arguments
-    torchtitan.toml     torchtitan's [parallelism], [training] and [activation_checkpoint]
+    megatron_args.sh    Megatron-LM arguments (and the environment they need)
+    torchtitan.sh       a torchtitan 0.3.0 command line: --module, --config and overrides
     deepspeed.json      a DeepSpeed config, where one applies (deepspeed_notes.md says how it maps)
     README.md           what each file holds, and every setting's mapping
 """
@@ -22,8 +22,9 @@ from autotune.export.ours import runtime
 from autotune.export.torchtitan import torchtitan
 from autotune.record import Question
 
-FILES = ("README.md", "layout.txt", "model.yaml", "torchrun.sh", "megatron_args.sh", "torchtitan.toml",
-         "deepspeed.json", "deepspeed_notes.md")
+# Every file best/ may hold, and those earlier versions wrote (torchtitan.toml), so none is left stale.
+FILES = ("README.md", "layout.txt", "model.yaml", "torchrun.sh", "megatron_args.sh", "torchtitan.sh",
+         "torchtitan.toml", "deepspeed.json", "deepspeed_notes.md")
 
 
 def exports(question: Question, layout_text: str) -> list[Export]:
@@ -32,7 +33,8 @@ def exports(question: Question, layout_text: str) -> list[Export]:
 
 
 def write_best(folder: Path, question: Question, best) -> list[Path]:
-    """Write best/ for the recommended trial (a row of the trial table); returns the files."""
+    """Write best/ for the recommended trial (a row of the trial table, or for `autotune
+    export` a mapping with the layout alone); returns the files."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in FILES:  # a previous report's files, e.g. a DeepSpeed config that no longer applies
         (folder / name).unlink(missing_ok=True)
@@ -52,7 +54,9 @@ def write_best(folder: Path, question: Question, best) -> list[Path]:
     written["README.md"] = readme(t, best, translations)
     for name, text in written.items():
         (folder / name).write_text(text, encoding="utf-8")
-    (folder / "torchrun.sh").chmod(0o755)
+    for name in ("torchrun.sh", "torchtitan.sh"):
+        if name in written:
+            (folder / name).chmod(0o755)
     return [folder / name for name in written]
 
 
@@ -65,8 +69,10 @@ def readme(t: Target, best, translations: list[Export]) -> str:
         value = best.get(key)
         if value is not None and value == value:
             figures.append(f"{label} {pattern.format(value)}")
-    lines = [f"# The recommended layout: {L.short()}", "",
-             f"{t.model.name} on {t.gpus} GPUs, trial {int(best['trial'])}: {', '.join(figures)}.", "",
+    measured = (f"trial {int(best['trial'])}: {', '.join(figures)}" if best.get("trial") is not None else
+                "not measured (written by `autotune export`; `autotune trial` with layout.txt measures it)")
+    lines = [f"# The {'recommended ' if best.get('trial') is not None else ''}layout: {L.short()}", "",
+             f"{t.model.name} on {t.gpus} GPUs, {measured}.", "",
              f"    {L}", "",
              "| file | what |", "|---|---|",
              "| layout.txt | the layout string for `autotune trial --layout`, and the command |",
