@@ -19,6 +19,7 @@ import yaml
 
 from autotune import model_size
 from autotune.errors import UsageError
+from autotune.hf_config import from_hf_config
 
 GIB = 2**30  # memory_gb, budgets and every reported GiB figure
 PRESET_DIR = Path(__file__).parent / "models"
@@ -294,7 +295,7 @@ def load_model(spec: str) -> ModelConfig:
     path = _resolve(spec, PRESET_DIR, "model", model_presets())
     data = _read_mapping(path)
     if path.suffix == ".json":
-        data = from_hf_config(data, name=path.parent.name or path.stem)
+        data = from_hf_config(data, name=(path.parent.name or path.stem) if path.stem == "config" else path.stem)
     elif "hf_config" in data:
         # A YAML that starts from a config.json and overrides the training shape.
         base_path = (path.parent / str(data.pop("hf_config"))).resolve()
@@ -329,65 +330,6 @@ def hardware_for_device_name(device_name: str) -> HardwareConfig | None:
         if key in upper:
             return load_hardware(preset)
     return None
-
-
-# Hugging Face key names -> ours. Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE all
-# use these names for the dense part; they differ only in how they describe experts.
-_HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim",
-    "intermediate_size": "ffn_hidden_size",
-    "rms_norm_eps": "norm_eps",
-    "rope_theta": "rope_theta",
-    "tie_word_embeddings": "tie_embeddings",
-}
-HF_DEFAULT_SEQ_LEN = 4096
-HF_DEFAULT_GLOBAL_BATCH = 256
-
-
-def from_hf_config(hf: dict, name: str) -> dict:
-    """Translate a Hugging Face config.json into our field names (a dict, validated later).
-
-    A config.json describes the architecture, not the training run, so seq_len is the
-    model's context capped at 4096 and global_batch_size 256; a YAML with `hf_config:`
-    overrides both.
-    """
-    if "num_hidden_layers" not in hf or "hidden_size" not in hf:
-        raise UsageError(f"{name}: not a Hugging Face model config (no num_hidden_layers/hidden_size)")
-    out = {ours: hf[theirs] for theirs, ours in _HF_KEYS.items() if hf.get(theirs) is not None}
-    out["name"] = name
-    out["seq_len"] = min(int(hf.get("max_position_embeddings", HF_DEFAULT_SEQ_LEN)), HF_DEFAULT_SEQ_LEN)
-    out["global_batch_size"] = HF_DEFAULT_GLOBAL_BATCH
-    torch_dtype = hf.get("torch_dtype") or hf.get("dtype")
-    out["dtype"] = "fp32" if torch_dtype == "float32" else "bf16"
-    num_layers = int(hf["num_hidden_layers"])
-    if "num_local_experts" in hf:  # Mixtral: every layer is MoE, experts use intermediate_size
-        out["moe"] = {
-            "num_experts": hf["num_local_experts"],
-            "top_k": hf.get("num_experts_per_tok", 2),
-            "expert_ffn_hidden_size": hf["intermediate_size"],
-            "aux_loss_weight": hf.get("router_aux_loss_coef", 0.01),
-        }
-    elif hf.get("num_experts") and "moe_intermediate_size" in hf:  # Qwen3-MoE (and Qwen2-MoE)
-        step = int(hf.get("decoder_sparse_step", 1) or 1)
-        dense = set(hf.get("mlp_only_layers") or [])
-        layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
-        moe = {
-            "num_experts": hf["num_experts"],
-            "top_k": hf.get("num_experts_per_tok", 8),
-            "expert_ffn_hidden_size": hf["moe_intermediate_size"],
-            "aux_loss_weight": hf.get("router_aux_loss_coef", 0.001),
-            "layers": "all" if len(layers) == num_layers else layers,
-        }
-        shared = hf.get("shared_expert_intermediate_size") or 0
-        if shared:
-            moe["num_shared_experts"] = max(1, shared // hf["moe_intermediate_size"])
-        out["moe"] = moe
-    return out
 
 
 # -- helpers ---------------------------------------------------------------------------------
