@@ -119,6 +119,13 @@ def attention_head_dims(cfg: "ModelConfig") -> tuple[int, int]:
     return cfg.head_dim, cfg.head_dim
 
 
+def rope_head_dim(cfg: "ModelConfig") -> int:
+    """Width RoPE rotates per head: the head, MLA's shared RoPE part, none with learned positions."""
+    if cfg.learned_positions:
+        return 0
+    return cfg.mla.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
+
+
 def attended_keys(cfg: "ModelConfig", layer: int) -> int:
     """Keys each query is charged for: seq_len, or the window where a layer has one (the
     causal mask is not discounted, as in PaLM's accounting; a window is charged in full)."""
