@@ -32,6 +32,7 @@ from autotune.launch import LAUNCHERS
 from autotune.layout import resolve
 from autotune.record import COMPLETE, DEFAULT_MAX_COMM_FRACTION, METRICS, OBJECTIVES, SAMPLER_NAMES
 from autotune.space import load_space
+from autotune.trainable import check_trainable
 from autotune.trialspec import TrialSpec
 
 DEFAULT_TRIAL_TIMEOUT_S = 900.0
@@ -223,6 +224,7 @@ def cmd_run(args) -> int:
     from autotune.study import run_sweep  # optuna and friends: only for commands that need them
 
     model = load_model(args.model)
+    check_trainable(model)
     space = load_space(args.space)
     hardware = load_hardware(args.hardware or default_hardware(args.device))
     if args.gpus_per_node is not None:
@@ -262,6 +264,7 @@ def cmd_trial(args) -> int:
 
     model = load_model(args.model)
     layout = resolve(args.layout, model, args.gpus, args.gpus_per_node)
+    check_trainable(model)
     launcher = Launcher(args.launcher, args.gpus_per_node, args.hosts)
     launcher.check(args.gpus)
     if args.hardware:
