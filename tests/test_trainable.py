@@ -1,11 +1,12 @@
-"""What the runtime does not train yet is refused in one line before anything starts."""
+"""What the runtime does not train yet is refused in one line before anything starts; `autotune models`."""
 
 import dataclasses
+import json
 
 import pytest
 
 from autotune.cli import main
-from autotune.config import load_model, model_from_dict
+from autotune.config import PRESET_DIR, load_model, model_from_dict
 from autotune.errors import UsageError
 from autotune.trainable import check_trainable, model_refusal
 
@@ -37,3 +38,16 @@ def test_trial_and_run_refuse_before_launching(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "attention: mla is priced by the estimator but not trained" in err[0]
+
+
+def test_models_describes_files_and_presets_without_cutting_names(capsys, tmp_path):
+    name = "a-model-name-long-enough-to-be-cut-in-a-narrow-terminal"
+    long_name = tmp_path / f"{name}.yaml"
+    long_name.write_text((PRESET_DIR / "tiny.yaml").read_text().replace("name: tiny", f"name: {name}"))
+    assert main(["models", str(long_name), "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    assert name in out and "671.03B" in out
+    assert main(["models", "--json", "deepseek-v3"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["attention"], row["mlp"], row["layers"], row["dtype"]) == ("mla", "swiglu", 61, "bf16")
+    assert row["params"] == 671026404352 and row["active_params"] == 37552282624
