@@ -29,24 +29,20 @@ whole projection instead of per head.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from autotune.config import ModelConfig
-
+# Each function takes a ModelConfig `cfg` (not imported: config.py imports this module).
 GATED_MLPS = ("swiglu", "geglu")
 
 
-def mlp_matrices(cfg: "ModelConfig") -> int:
+def mlp_matrices(cfg) -> int:
     """Weight matrices of one MLP: gated kinds have a gate beside the up projection."""
     return 3 if cfg.mlp in GATED_MLPS else 2
 
 
-def norm_params(cfg: "ModelConfig", width: int) -> int:
+def norm_params(cfg, width: int) -> int:
     return width * (2 if cfg.norm == "layernorm" else 1)
 
 
-def attention_params(cfg: "ModelConfig", matmul_only: bool = False) -> int:
+def attention_params(cfg, matmul_only: bool = False) -> int:
     """One layer's attention; `matmul_only` leaves out biases and norm weights (FLOPs)."""
     h, heads = cfg.hidden_size, cfg.num_heads
     if cfg.attention == "mla":
@@ -67,7 +63,7 @@ def attention_params(cfg: "ModelConfig", matmul_only: bool = False) -> int:
     return matmuls + bias + (2 * cfg.head_dim if cfg.qk_norm else 0)
 
 
-def mlp_params(cfg: "ModelConfig", width: int, matmul_only: bool = False) -> int:
+def mlp_params(cfg, width: int, matmul_only: bool = False) -> int:
     """One MLP of the model's kind, `width` wide (the dense MLP, or one expert)."""
     matrices = mlp_matrices(cfg)
     params = matrices * cfg.hidden_size * width
@@ -76,12 +72,12 @@ def mlp_params(cfg: "ModelConfig", width: int, matmul_only: bool = False) -> int
     return params
 
 
-def moe_router_params(cfg: "ModelConfig", matmul_only: bool = False) -> int:
+def moe_router_params(cfg, matmul_only: bool = False) -> int:
     experts = cfg.moe.num_experts
     return cfg.hidden_size * experts + (experts if cfg.bias == "all" and not matmul_only else 0)
 
 
-def layer_mlp_params(cfg: "ModelConfig", layer: int, active_only: bool = False, matmul_only: bool = False) -> int:
+def layer_mlp_params(cfg, layer: int, active_only: bool = False, matmul_only: bool = False) -> int:
     """A layer's MLP: the dense one, or router + routed experts (top_k if active_only) + shared."""
     if not cfg.is_moe_layer(layer):
         return mlp_params(cfg, cfg.ffn_hidden_size, matmul_only)
@@ -91,7 +87,7 @@ def layer_mlp_params(cfg: "ModelConfig", layer: int, active_only: bool = False, 
     return moe_router_params(cfg, matmul_only) + (routed + moe.num_shared_experts) * expert
 
 
-def num_params(cfg: "ModelConfig", active_only: bool = False) -> int:
+def num_params(cfg, active_only: bool = False) -> int:
     """Every parameter: embeddings (and a learned position table), blocks (two norms
     each), final norm, output head (none when tied to the embedding)."""
     h = cfg.hidden_size
@@ -102,7 +98,7 @@ def num_params(cfg: "ModelConfig", active_only: bool = False) -> int:
     return embedding + cfg.learned_positions * h + blocks + norm_params(cfg, h) + head
 
 
-def active_matmul_params(cfg: "ModelConfig") -> int:
+def active_matmul_params(cfg) -> int:
     """Matmul weights one token passes through: blocks (top-k experts only) + output head.
 
     The embedding is a lookup, not a matmul, and norms and biases are elementwise: none
@@ -112,28 +108,28 @@ def active_matmul_params(cfg: "ModelConfig") -> int:
     return blocks + cfg.vocab_size * cfg.hidden_size
 
 
-def attention_head_dims(cfg: "ModelConfig") -> tuple[int, int]:
+def attention_head_dims(cfg) -> tuple[int, int]:
     """(query/key head width, value head width): equal for GQA, nope+rope and v for MLA."""
     if cfg.attention == "mla":
         return cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
     return cfg.head_dim, cfg.head_dim
 
 
-def rope_head_dim(cfg: "ModelConfig") -> int:
+def rope_head_dim(cfg) -> int:
     """Width RoPE rotates per head: the head, MLA's shared RoPE part, none with learned positions."""
     if cfg.learned_positions:
         return 0
     return cfg.mla.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
 
 
-def attended_keys(cfg: "ModelConfig", layer: int) -> int:
+def attended_keys(cfg, layer: int) -> int:
     """Keys each query is charged for: seq_len, or the window where a layer has one (the
     causal mask is not discounted, as in PaLM's accounting; a window is charged in full)."""
     window = cfg.window(layer)
     return cfg.seq_len if window is None else min(window, cfg.seq_len)
 
 
-def attention_flops_per_token(cfg: "ModelConfig") -> float:
+def attention_flops_per_token(cfg) -> float:
     """Forward + backward FLOPs of the attention cores per token, summed over layers:
 
         6 * heads * (qk_head_dim + v_head_dim) * keys
@@ -145,7 +141,7 @@ def attention_flops_per_token(cfg: "ModelConfig") -> float:
     return sum(6 * cfg.num_heads * (qk + v) * attended_keys(cfg, i) for i in range(cfg.num_layers))
 
 
-def flops_per_token(cfg: "ModelConfig") -> float:
+def flops_per_token(cfg) -> float:
     """Model FLOPs per trained token, forward + backward, recompute not counted:
 
         6 * active matmul params + attention_flops_per_token
