@@ -25,14 +25,15 @@ from autotune.config import (
     hardware_presets,
     load_hardware,
     load_model,
-    model_presets,
 )
 from autotune.errors import UsageError
 from autotune.export.command import add_export_parser
 from autotune.launch import LAUNCHERS
 from autotune.layout import resolve
+from autotune.models_listing import cmd_models
 from autotune.record import COMPLETE, DEFAULT_MAX_COMM_FRACTION, METRICS, OBJECTIVES, SAMPLER_NAMES
 from autotune.space import load_space
+from autotune.trainable import check_trainable
 from autotune.trialspec import TrialSpec
 
 DEFAULT_TRIAL_TIMEOUT_S = 900.0
@@ -179,7 +180,8 @@ def build_parser() -> Parser:
     add_launcher_options(p, default=None)
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("models", help="list the model presets with their sizes")
+    p = sub.add_parser("models", help="describe model files (YAML or config.json), or every preset")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="model files or preset names (default: every preset)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
     p.set_defaults(func=cmd_models)
 
@@ -225,6 +227,7 @@ def cmd_run(args) -> int:
     from autotune.study import run_sweep  # optuna and friends: only for commands that need them
 
     model = load_model(args.model)
+    check_trainable(model)
     space = load_space(args.space)
     hardware = load_hardware(args.hardware or default_hardware(args.device))
     if args.gpus_per_node is not None:
@@ -264,6 +267,7 @@ def cmd_trial(args) -> int:
 
     model = load_model(args.model)
     layout = resolve(args.layout, model, args.gpus, args.gpus_per_node)
+    check_trainable(model)
     launcher = Launcher(args.launcher, args.gpus_per_node, args.hosts)
     launcher.check(args.gpus)
     if args.hardware:
@@ -307,28 +311,6 @@ def print_trial(result: dict) -> None:
     for trace in result.get("trace_files", []):
         table.add_row("trace", trace)
     console.print(table)
-
-
-def cmd_models(args) -> int:
-    rows = []
-    for name in model_presets():
-        m = load_model(name)
-        rows.append({"name": name, "params": m.num_params(), "active_params": m.active_matmul_params(),
-                     "layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_heads,
-                     "kv_heads": m.num_kv_heads, "seq_len": m.seq_len, "global_batch": m.global_batch_size,
-                     "experts": f"{m.moe.top_k}/{m.moe.num_experts}" if m.moe else "-"})
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    table = Table(title="model presets (autotune/models)")
-    for col in ("name", "params", "active/token", "layers", "hidden", "heads/kv", "seq_len", "batch", "experts"):
-        table.add_column(col, justify="left" if col == "name" else "right")
-    for r in rows:
-        table.add_row(r["name"], human_count(r["params"]), human_count(r["active_params"]), str(r["layers"]),
-                      str(r["hidden"]), f"{r['heads']}/{r['kv_heads']}", str(r["seq_len"]),
-                      str(r["global_batch"]), r["experts"])
-    Console().print(table)
-    return 0
 
 
 def cmd_report(args) -> int:
@@ -461,13 +443,6 @@ def print_estimates(ranked: list, model_name: str, gpus: int, hardware_name: str
                       f"{e.step_time_s:,.3g}" if known else "-")
     console.print(table)
     console.print("peak: memory of the worst rank; comm: exposed communication / step time")
-
-
-def human_count(n: int) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
 
 
 # The exit status when the reader of our output left: 1, as rich's console exits when it

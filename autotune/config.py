@@ -17,7 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from autotune import model_size
 from autotune.errors import UsageError
+from autotune.hf_config import from_hf_config
 
 GIB = 2**30  # memory_gb, budgets and every reported GiB figure
 PRESET_DIR = Path(__file__).parent / "models"
@@ -56,9 +58,48 @@ class MoEConfig:
                     raise UsageError(f"moe.layers: each entry must be a layer index in [0, {num_layers}), got {i!r}")
 
 
+MLP_KINDS = ("swiglu", "geglu", "gelu", "relu2")
+ATTENTION_KINDS = ("gqa", "mla")
+BIAS_KINDS = ("none", "qkv", "all")
+NORM_KINDS = ("rmsnorm", "layernorm")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V2/V3 multi-head latent attention: keys and values are rebuilt per head
+    from one small latent vector per token, so the KV cache and projections are low-rank.
+
+        q    = up_q(norm(down_q(x)))  or  wq(x) when q_lora_rank is null (no compression)
+        kv   = down_kv(x): kv_lora_rank latent + qk_rope_head_dim shared RoPE key
+        k, v = up_kv(norm(latent)): per head qk_nope_head_dim key and v_head_dim value
+    Query and key heads are qk_nope_head_dim + qk_rope_head_dim wide; values v_head_dim.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    def validate(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive(f"mla.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive("mla.q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise UsageError(f"mla.qk_rope_head_dim: must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU or MoE MLP) and its batch."""
+    """A decoder and its batch: RoPE, GQA or MLA attention, a dense (SwiGLU, GeGLU, GELU,
+    squared-ReLU) or MoE MLP, optional sliding windows and QK-norm.
+
+    The defaults are a Llama: RMSNorm, no biases, SwiGLU, full causal GQA attention.
+    `bias`, `norm` and `learned_positions` describe the GPT-2 / NeoX / Phi / Qwen2 /
+    GPT-OSS families exactly enough to count their parameters; the runtime trains only
+    the defaults of those three (runtime/support.py says what it refuses).
+    """
 
     name: str
     vocab_size: int
@@ -74,6 +115,15 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    mlp: str = "swiglu"
+    attention: str = "gqa"
+    mla: MLAConfig | None = None
+    sliding_window: int | None = None  # local causal attention over the last W tokens
+    sliding_window_layers: list | None = None  # which layers (None: all) when sliding_window is set
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3, OLMo 2, Gemma 3)
+    bias: str = "none"  # none; qkv: the q, k, v projections (Qwen2); all: every linear but the head
+    norm: str = "rmsnorm"  # rmsnorm (a weight) or layernorm (a weight and a bias)
+    learned_positions: int = 0  # rows of a learned absolute position table (GPT-2); 0: none
     moe: MoEConfig | None = None
 
     def __post_init__(self):
@@ -81,7 +131,10 @@ class ModelConfig:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None and isinstance(self.num_heads, int) and self.num_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+            if self.attention == "mla" and isinstance(self.mla, MLAConfig):
+                object.__setattr__(self, "head_dim", self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim)
+            else:
+                object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -94,9 +147,50 @@ class ModelConfig:
             raise UsageError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise UsageError("norm_eps and rope_theta: must be positive")
+        for name, kinds in (("mlp", MLP_KINDS), ("attention", ATTENTION_KINDS), ("bias", BIAS_KINDS),
+                            ("norm", NORM_KINDS)):
+            if getattr(self, name) not in kinds:
+                raise UsageError(f"{name}: must be one of {', '.join(kinds)}, got {getattr(self, name)!r}")
+        self._validate_attention()
+        if self.learned_positions < 0:
+            raise UsageError(f"learned_positions: must be >= 0, got {self.learned_positions}")
+        if self.learned_positions and self.learned_positions < self.seq_len:
+            raise UsageError(f"seq_len: must be <= learned_positions ({self.learned_positions}), got {self.seq_len}")
         if self.moe is not None:
             self.moe.validate(self.num_layers)
         return self
+
+    def _validate_attention(self) -> None:
+        if self.attention == "mla":
+            if self.mla is None:
+                raise UsageError("mla: required with attention: mla (kv_lora_rank, qk_nope_head_dim, "
+                                 "qk_rope_head_dim, v_head_dim, q_lora_rank)")
+            self.mla.validate()
+            if self.num_kv_heads != self.num_heads:
+                raise UsageError(f"num_kv_heads: must equal num_heads ({self.num_heads}) with attention: mla "
+                                 f"(every head has its own key and value), got {self.num_kv_heads}")
+            if self.head_dim != self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim:
+                raise UsageError(f"head_dim: with attention: mla it is qk_nope_head_dim + qk_rope_head_dim "
+                                 f"({self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim}), got {self.head_dim}")
+            if self.qk_norm:
+                raise UsageError("qk_norm: not with attention: mla (MLA normalises its latents instead)")
+            if self.bias != "none":
+                raise UsageError(f"bias: must be none with attention: mla, got {self.bias!r}")
+        elif self.mla is not None:
+            raise UsageError(f"mla: only with attention: mla, got attention: {self.attention}")
+        elif self.head_dim % 2:
+            raise UsageError(f"head_dim: must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
+        if self.sliding_window_layers is not None:
+            if self.sliding_window is None:
+                raise UsageError("sliding_window_layers: needs sliding_window (the window's width)")
+            seen = set()
+            for i in self.sliding_window_layers:
+                if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers or i in seen:
+                    raise UsageError(f"sliding_window_layers: each entry must be a distinct layer index in "
+                                     f"[0, {self.num_layers}), got {i!r}")
+                seen.add(i)
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe is None:
@@ -107,57 +201,46 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
-    # -- sizes ---------------------------------------------------------------------------
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    # -- sizes (autotune/model_size.py has the formulas) -------------------------------------
     def attention_params(self) -> int:
-        """q and o are heads*head_dim wide, k and v kv_heads*head_dim (GQA)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv
+        return model_size.attention_params(self)
 
     def dense_mlp_params(self) -> int:
-        return 3 * self.hidden_size * self.ffn_hidden_size  # SwiGLU: gate, up, down
+        return model_size.mlp_params(self, self.ffn_hidden_size)
 
     def expert_params(self) -> int:
-        """One routed expert (a SwiGLU of expert_ffn_hidden_size)."""
-        return 3 * self.hidden_size * self.moe.expert_ffn_hidden_size
+        """One routed (or shared) expert: an MLP of the model's kind, expert_ffn_hidden_size wide."""
+        return model_size.mlp_params(self, self.moe.expert_ffn_hidden_size)
 
     def mlp_params(self, layer: int, active_only: bool = False) -> int:
-        if not self.is_moe_layer(layer):
-            return self.dense_mlp_params()
-        moe = self.moe
-        routed = moe.top_k if active_only else moe.num_experts
-        router = self.hidden_size * moe.num_experts
-        return router + (routed + moe.num_shared_experts) * self.expert_params()
+        return model_size.layer_mlp_params(self, layer, active_only)
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def num_params(self) -> int:
-        """Every parameter: embeddings, blocks (two norms each), final norm, output head."""
-        blocks = sum(self.attention_params() + self.mlp_params(i) + 2 * self.hidden_size
-                     for i in range(self.num_layers))
-        head = 0 if self.tie_embeddings else self.embedding_params()
-        return self.embedding_params() + blocks + self.hidden_size + head
+        """Every parameter, as transformers counts them (model_size.num_params)."""
+        return model_size.num_params(self)
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to."""
+        return model_size.num_params(self, active_only=True)
 
     def active_matmul_params(self) -> int:
-        """Matmul weights one token passes through: blocks (top-k experts only) + output head.
-
-        The embedding is a lookup, not a matmul, and norms are elementwise: neither counts.
-        """
-        blocks = sum(self.attention_params() + self.mlp_params(i, active_only=True)
-                     for i in range(self.num_layers))
-        return blocks + self.embedding_params()
+        """Matmul weights one token passes through: blocks (top-k experts only) + output head."""
+        return model_size.active_matmul_params(self)
 
     def flops_per_token(self) -> float:
-        """Model FLOPs per trained token, forward + backward, recompute not counted:
-
-            6 * active matmul params + 12 * layers * heads * head_dim * seq_len
-
-        The first term is 2 FLOPs per multiply-add, times 3 for forward + backward; the
-        second is the attention scores and the weighted sum of values (PaLM's accounting,
-        no discount for the causal mask).
-        """
-        attention = 12 * self.num_layers * self.num_heads * self.head_dim * self.seq_len
-        return 6 * self.active_matmul_params() + attention
+        """Model FLOPs per trained token, forward + backward (model_size.flops_per_token)."""
+        return model_size.flops_per_token(self)
 
 
 @dataclass(frozen=True)
@@ -212,7 +295,7 @@ def load_model(spec: str) -> ModelConfig:
     path = _resolve(spec, PRESET_DIR, "model", model_presets())
     data = _read_mapping(path)
     if path.suffix == ".json":
-        data = from_hf_config(data, name=path.parent.name or path.stem)
+        data = from_hf_config(data, name=(path.parent.name or path.stem) if path.stem == "config" else path.stem)
     elif "hf_config" in data:
         # A YAML that starts from a config.json and overrides the training shape.
         base_path = (path.parent / str(data.pop("hf_config"))).resolve()
@@ -224,11 +307,12 @@ def load_model(spec: str) -> ModelConfig:
 
 def model_from_dict(data: dict) -> ModelConfig:
     data = dict(data)
-    moe = data.pop("moe", None)
-    if moe is not None:
-        if not isinstance(moe, dict):
-            raise UsageError(f"moe: must be a mapping, got {type(moe).__name__}")
-        data["moe"] = _build(MoEConfig, moe, prefix="moe.")
+    for key, cls in (("moe", MoEConfig), ("mla", MLAConfig)):
+        block = data.pop(key, None)
+        if block is not None:
+            if not isinstance(block, dict):
+                raise UsageError(f"{key}: must be a mapping, got {type(block).__name__}")
+            data[key] = _build(cls, block, prefix=f"{key}.")
     return _build(ModelConfig, data).validate()
 
 
@@ -246,65 +330,6 @@ def hardware_for_device_name(device_name: str) -> HardwareConfig | None:
         if key in upper:
             return load_hardware(preset)
     return None
-
-
-# Hugging Face key names -> ours. Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE all
-# use these names for the dense part; they differ only in how they describe experts.
-_HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim",
-    "intermediate_size": "ffn_hidden_size",
-    "rms_norm_eps": "norm_eps",
-    "rope_theta": "rope_theta",
-    "tie_word_embeddings": "tie_embeddings",
-}
-HF_DEFAULT_SEQ_LEN = 4096
-HF_DEFAULT_GLOBAL_BATCH = 256
-
-
-def from_hf_config(hf: dict, name: str) -> dict:
-    """Translate a Hugging Face config.json into our field names (a dict, validated later).
-
-    A config.json describes the architecture, not the training run, so seq_len is the
-    model's context capped at 4096 and global_batch_size 256; a YAML with `hf_config:`
-    overrides both.
-    """
-    if "num_hidden_layers" not in hf or "hidden_size" not in hf:
-        raise UsageError(f"{name}: not a Hugging Face model config (no num_hidden_layers/hidden_size)")
-    out = {ours: hf[theirs] for theirs, ours in _HF_KEYS.items() if hf.get(theirs) is not None}
-    out["name"] = name
-    out["seq_len"] = min(int(hf.get("max_position_embeddings", HF_DEFAULT_SEQ_LEN)), HF_DEFAULT_SEQ_LEN)
-    out["global_batch_size"] = HF_DEFAULT_GLOBAL_BATCH
-    torch_dtype = hf.get("torch_dtype") or hf.get("dtype")
-    out["dtype"] = "fp32" if torch_dtype == "float32" else "bf16"
-    num_layers = int(hf["num_hidden_layers"])
-    if "num_local_experts" in hf:  # Mixtral: every layer is MoE, experts use intermediate_size
-        out["moe"] = {
-            "num_experts": hf["num_local_experts"],
-            "top_k": hf.get("num_experts_per_tok", 2),
-            "expert_ffn_hidden_size": hf["intermediate_size"],
-            "aux_loss_weight": hf.get("router_aux_loss_coef", 0.01),
-        }
-    elif hf.get("num_experts") and "moe_intermediate_size" in hf:  # Qwen3-MoE (and Qwen2-MoE)
-        step = int(hf.get("decoder_sparse_step", 1) or 1)
-        dense = set(hf.get("mlp_only_layers") or [])
-        layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
-        moe = {
-            "num_experts": hf["num_experts"],
-            "top_k": hf.get("num_experts_per_tok", 8),
-            "expert_ffn_hidden_size": hf["moe_intermediate_size"],
-            "aux_loss_weight": hf.get("router_aux_loss_coef", 0.001),
-            "layers": "all" if len(layers) == num_layers else layers,
-        }
-        shared = hf.get("shared_expert_intermediate_size") or 0
-        if shared:
-            moe["num_shared_experts"] = max(1, shared // hf["moe_intermediate_size"])
-        out["moe"] = moe
-    return out
 
 
 # -- helpers ---------------------------------------------------------------------------------

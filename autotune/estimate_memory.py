@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from autotune import model_size
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
 from autotune.layout import Layout
@@ -127,34 +128,73 @@ def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_para
     the indices of its re-sort to local-expert order and back. Tensor parallel leaves
     MoE blocks whole ("full"): every tp rank routes the whole (gathered) sequence.
     """
-    q = model.num_heads * model.head_dim
-    kv = model.num_kv_heads * model.head_dim
-    attention = [Saved("q after rope", q, compute, "tp"), Saved("k after rope", kv, compute, "tp"),
-                 Saved("v", kv, compute, "tp"), Saved("attention output (wo's input)", q, compute, "tp"),
-                 Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
-    return (norm_saved_tensors(model, compute, "attention") + attention
+    return (norm_saved_tensors(model, compute, "attention") + attention_saved_tensors(model, compute)
             + norm_saved_tensors(model, compute, "mlp") + mlp_saved_tensors(model, moe, compute, expert_parallel))
 
 
+def attention_widths(model: ModelConfig) -> tuple[int, int, int]:
+    """(query width, key width, value width) per token of one layer's attention core: heads
+    times their head dims (MLA: qk = nope + rope wide, v its own; every head has a key)."""
+    qk, v = model_size.attention_head_dims(model)
+    if model.attention == "mla":
+        return model.num_heads * qk, model.num_heads * qk, model.num_heads * v
+    return model.num_heads * qk, model.num_kv_heads * qk, model.num_kv_heads * v
+
+
+def attention_saved_tensors(model: ModelConfig, compute: int) -> list[Saved]:
+    """Fused SDPA saves q and k after RoPE, v, its output (wo's input) and the log-sum-exp.
+
+    QK-norm saves the q and k it normalises and one fp32 root per head and token. MLA's
+    low-rank projections run whole on every tensor-parallel rank (their latents are not
+    split by heads): each latent's RMSNorm saves its input and root, and its output is
+    the up projection's input; the shared RoPE key is saved before it is broadcast to
+    the heads."""
+    q, k, v = attention_widths(model)
+    items = [Saved("q after rope", q, compute, "tp"), Saved("k after rope", k, compute, "tp"),
+             Saved("v", v, compute, "tp"),
+             Saved("attention output (wo's input)", model.num_heads * model_size.attention_head_dims(model)[1],
+                   compute, "tp"),
+             Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
+    if model.qk_norm:
+        heads = model.num_heads + model.num_kv_heads
+        items += [Saved("qk-norm inputs", q + k, compute, "tp"), Saved("qk-norm rstd", heads, 4, "tp")]
+    if model.attention == "mla":
+        m = model.mla
+        for latent, width in (("q", m.q_lora_rank), ("kv", m.kv_lora_rank)):
+            if width:
+                items += [Saved(f"{latent} latent norm input and output", 2 * width, compute, "full"),
+                          Saved(f"{latent} latent norm rstd", 1, 4, "full")]
+        items.append(Saved("shared rope key", m.qk_rope_head_dim, compute, "full"))
+    return items
+
+
 def mlp_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_parallel: bool) -> list[Saved]:
-    h = model.hidden_size
+    h, per_width = model.hidden_size, mlp_saved_per_width(model)
     if not moe:
-        return [Saved("mlp gate, silu, up, product", 4 * model.ffn_hidden_size, compute, "tp")]
+        return [Saved(f"mlp ({model.mlp}) intermediates", per_width * model.ffn_hidden_size, compute, "tp")]
     k, ef = model.moe.top_k, model.moe.expert_ffn_hidden_size
     mlp = [Saved("router probabilities (fp32)", model.moe.num_experts, 4, "full"),
            Saved("top-k choices (int64)", k, 8, "full"),
            Saved("routing weights", k, compute, "full"),
            Saved("permutation and inverse (int64)", 2 * k, 8, "full"),
            Saved("dispatched tokens", k * h, compute, "full"),
-           Saved("expert gate, silu, up, product", 4 * k * ef, compute, "full"),
+           Saved(f"expert ({model.mlp}) intermediates", per_width * k * ef, compute, "full"),
            Saved("expert outputs", k * h, compute, "full")]
     if k > 1:
         mlp.append(Saved("top-k probabilities and their sum (fp32)", k + 1, 4, "full"))
     if expert_parallel:
         mlp.append(Saved("local-expert sort and inverse (int64)", 2 * k, 8, "full"))
     if model.moe.num_shared_experts:
-        mlp.append(Saved("shared experts", 4 * model.moe.num_shared_experts * ef, compute, "full"))
+        mlp.append(Saved("shared experts", per_width * model.moe.num_shared_experts * ef, compute, "full"))
     return mlp
+
+
+def mlp_saved_per_width(model: ModelConfig) -> int:
+    """Tensors of the MLP's width an MLP saves: gated (SwiGLU, GeGLU) the gate, its
+    activation, up and their product (down's input); GELU its input and output (down's
+    input); squared ReLU the ReLU's output (its own backward and the square's input)
+    and the square (down's input)."""
+    return 4 if model.mlp in model_size.GATED_MLPS else 2
 
 
 def op_saved_tensors(model: ModelConfig, moe: bool, compute: int, tp: int, expert_parallel: bool = False
@@ -163,18 +203,19 @@ def op_saved_tensors(model: ModelConfig, moe: bool, compute: int, tp: int, exper
     outputs of its matmuls, fused attention and tensor-parallel collectives; norms, RoPE
     and the SwiGLU's gating are recomputed from them."""
     h = model.hidden_size
-    q = model.num_heads * model.head_dim
-    kv = model.num_kv_heads * model.head_dim
+    q, k, v = attention_widths(model)
     items = [Saved("block input", h, compute, "sp"),
-             Saved("q, k, v (matmul outputs)", q + 2 * kv, compute, "tp"),
-             Saved("attention output", q, compute, "tp"), Saved("log-sum-exp", model.num_heads, 4, "tp"),
+             Saved("q, k, v (matmul outputs)", q + k + v, compute, "tp"),
+             Saved("attention output", model.num_heads * model_size.attention_head_dims(model)[1], compute, "tp"),
+             Saved("log-sum-exp", model.num_heads, 4, "tp"),
              Saved("wo output", h, compute, "full")]
     if tp > 1:
         items.append(Saved("wo's reduction", h, compute, "sp"))
     if moe:
         items += mlp_saved_tensors(model, True, compute, expert_parallel)
     else:
-        items += [Saved("gate, up (matmul outputs)", 2 * model.ffn_hidden_size, compute, "tp"),
+        items += [Saved("first-half matmul outputs", (model_size.mlp_matrices(model) - 1) * model.ffn_hidden_size,
+                        compute, "tp"),
                   Saved("down output", h, compute, "full")]
         if tp > 1:
             items.append(Saved("down's reduction", h, compute, "sp"))
@@ -243,7 +284,7 @@ def model_figures(model: ModelConfig) -> ModelFigures:
     for layer in range(model.num_layers):
         moe_before.append(moe_before[-1] + model.is_moe_layer(layer))
     moe = model.moe
-    router = model.hidden_size * moe.num_experts if moe else 0
+    router = model_size.moe_router_params(model) if moe else 0
     figures = ModelFigures(
         attention=model.attention_params(), dense_mlp=model.dense_mlp_params(),
         moe_dense=router + moe.num_shared_experts * model.expert_params() if moe else 0,
@@ -357,11 +398,14 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     layers = sum(len(spans[s]) for s in stages)
     first, last = 0 in stages, last_stage in stages
 
-    dense_block = fig.attention / tp + 2 * h + fig.dense_mlp / tp
-    moe_block = fig.attention / tp + 2 * h + fig.moe_dense
+    norms = 2 * model_size.norm_params(model, h)
+    dense_block = fig.attention / tp + norms + fig.dense_mlp / tp
+    moe_block = fig.attention / tp + norms + fig.moe_dense
     moe_experts = fig.moe_routed / layout.ep
     embedding = model.embedding_params() / tp
-    root = (embedding if first else 0.0) + (h + embedding if last else 0.0)
+    head = 0.0 if model.tie_embeddings else embedding
+    root = (embedding + model.learned_positions * h if first else 0.0) + \
+        (model_size.norm_params(model, h) + head if last else 0.0)
     dense_layers = layers - moe_layers
     return RankShape(
         rank=rank, layers=layers, moe_layers=moe_layers, first=first, last=last,
@@ -397,15 +441,19 @@ def weight_output_grads(model: ModelConfig, layout: Layout, layers: range, last:
     stage.) MoE (whole under TP): the router and the experts' SwiGLU for top_k experts."""
     tp, h = layout.tp, model.hidden_size
     stream = h / tp if layout.sp else h
-    attention = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tp + h + 2 * stream
+    q, k, v = attention_widths(model)
+    attention = (q + k + v) / tp + h + 2 * stream
+    if model.attention == "mla":  # the down projections' outputs, whole on every tp rank
+        attention += (model.mla.q_lora_rank or 0) + model.mla.kv_lora_rank + model.mla.qk_rope_head_dim
+    first_half = model_size.mlp_matrices(model) - 1
     total = 0.0
     for layer in layers:
         if model.is_moe_layer(layer):
             moe = model.moe
             experts = moe.top_k + moe.num_shared_experts
-            total += attention + moe.num_experts + experts * (2 * moe.expert_ffn_hidden_size + h)
+            total += attention + moe.num_experts + experts * (first_half * moe.expert_ffn_hidden_size + h)
         else:
-            total += attention + 2 * model.ffn_hidden_size / tp + h
+            total += attention + first_half * model.ffn_hidden_size / tp + h
     return total + (stream if last else 0.0)
 
 
@@ -639,7 +687,7 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     rope_layers = shape.layers - full_layers
     if layout.recompute == "op":
         rope_layers = 0
-    rope = rope_layers * model.seq_len / layout.cp * model.head_dim * 4
+    rope = rope_layers * model.seq_len / layout.cp * model_size.rope_head_dim(model) * 4
     moe_fixed = shape.moe_layers * moe_layer_bytes(model, layout) if shape.moe_layers else 0.0
     per_chunk = (tokens * kept + rope + moe_fixed) / stage_chunks(layout)
     recomputed = tokens * (per_token("none") - kept) / shape.layers if recomputed_layers else 0.0
@@ -656,7 +704,7 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         weight_grad = moe.num_experts / layout.ep * h * ef * c
         incoming -= rows * 8 + rows * c
         if moe.num_shared_experts:
-            incoming += tokens * h * c - tokens * 4 * moe.num_shared_experts * ef * c
+            incoming += tokens * h * c - tokens * mlp_saved_per_width(model) * moe.num_shared_experts * ef * c
     else:
         ffn_grad, weight_grad = tokens * model.ffn_hidden_size / tp * c, h * model.ffn_hidden_size / tp * c
     logits, loss_backward = loss_bytes(model, layout, prec)

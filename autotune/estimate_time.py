@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from autotune import model_size
 from autotune.config import HardwareConfig, ModelConfig
 from autotune.estimate_memory import (
     RankShape,
+    attention_widths,
     full_recompute_layers,
     model_figures,
     precision,
@@ -151,7 +153,9 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     tp, cp, c, h = layout.tp, layout.cp, compute_bytes, model.hidden_size
     tokens = layout.mbs * model.seq_len / cp
     act_bytes = tokens * h * c
-    core = 4 * tokens * model.num_heads * model.head_dim * model.seq_len / tp / flops_per_s
+    # One layer's attention core, forward: a third of its FLOPs per token (model_size:
+    # 6 heads (qk + v) keys, averaged over the layers, windows and MLA's head dims included).
+    core = tokens * model_size.attention_flops_per_token(model) / 3 / model.num_layers / tp / flops_per_s
 
     def layer(mlp_params: float, mode: str) -> tuple[float, float, float]:
         matmul = 2 * tokens * (fig.attention / tp + mlp_params) / flops_per_s
@@ -177,7 +181,8 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
         # backward); the last accumulator hop is exposed. Full recompute runs the
         # forward ring again; selective keeps the ring's output (one fused kernel).
         rerun = layout.recompute == "full"
-        kv_elements = tokens * 2 * model.num_kv_heads * model.head_dim / tp
+        _, k_width, v_width = attention_widths(model)
+        kv_elements = tokens * (k_width + v_width) / tp
         kv_hop, grad_hop = links.p2p(kv_elements * c, groups["cp"]), links.p2p(kv_elements * 4, groups["cp"])
         cp_forward = (cp - 1) * max(0.0, kv_hop - core / cp)
         in_flight = [kv_hop] + [kv_hop + grad_hop] * (cp - 2) + [grad_hop]

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -157,3 +158,47 @@ def test_hardware_presets_and_custom(tmp_path):
     with pytest.raises(UsageError, match="^gpus_per_node: must be a positive integer"):
         load_hardware(write(tmp_path, "bad.yaml", "peak_tflops: 1\nmemory_gb: 1\ngpus_per_node: 0\n"
                                                    "intra_node_gbps: 1\ninter_node_gbps: 1\n"))
+
+
+MLA = ("attention: mla\nnum_kv_heads: 4\n"
+       "mla: {kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8}")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("mlp: swish", "mlp: must be one of swiglu, geglu, gelu, relu2, got 'swish'"),
+    ("attention: mha", "attention: must be one of gqa, mla, got 'mha'"),
+    ("attention: mla", "mla: required with attention: mla"),
+    ("mla: {kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8}",
+     "mla: only with attention: mla, got attention: gqa"),
+    (MLA.replace("qk_rope_head_dim: 4", "qk_rope_head_dim: 3"), "mla.qk_rope_head_dim: must be even"),
+    (MLA.replace("kv_lora_rank: 16", "kv_lora_rank: 0"), "mla.kv_lora_rank: must be a positive integer, got 0"),
+    (MLA.replace("num_kv_heads: 4", "num_kv_heads: 2"), "num_kv_heads: must equal num_heads (4) with attention: mla"),
+    (MLA + "\nhead_dim: 8", "head_dim: with attention: mla it is qk_nope_head_dim + qk_rope_head_dim (12), got 8"),
+    (MLA + "\nqk_norm: true", "qk_norm: not with attention: mla"),
+    ("sliding_window: 0", "sliding_window: must be a positive integer, got 0"),
+    ("sliding_window_layers: [0]", "sliding_window_layers: needs sliding_window"),
+    ("sliding_window: 8\nsliding_window_layers: [0, 2]", "sliding_window_layers: each entry must be a distinct"),
+    ("sliding_window: 8\nsliding_window_layers: [1, 1]", "sliding_window_layers: each entry must be a distinct"),
+    ("qk_norm: yes please", "qk_norm: must be bool, got str 'yes please'"),
+    ("bias: some", "bias: must be one of none, qkv, all, got 'some'"),
+    ("norm: batchnorm", "norm: must be one of rmsnorm, layernorm, got 'batchnorm'"),
+    ("learned_positions: 8", "seq_len: must be <= learned_positions (8), got 16"),
+    ("mla: [1]", "mla: must be a mapping, got list"),
+    ("moe: {num_experts: 4, top_k: 1, expert_ffn_hidden_size: 8, num_shared_experts: -1}",
+     "moe.num_shared_experts: must be >= 0, got -1"),
+])
+def test_model_kinds_are_validated_by_field_and_rule(tmp_path, edit, message):
+    text = TINY + edit + "\n"
+    with pytest.raises(UsageError, match="^" + re.escape(message)):
+        load_model(write(tmp_path, "t.yaml", text))
+
+
+def test_model_kinds_defaults_and_windows(tmp_path):
+    m = load_model(write(tmp_path, "t.yaml", TINY))
+    assert (m.mlp, m.attention, m.mla, m.sliding_window, m.qk_norm, m.bias, m.norm) == \
+        ("swiglu", "gqa", None, None, False, "none", "rmsnorm")
+    assert [m.window(i) for i in range(2)] == [None, None]
+    w = load_model(write(tmp_path, "w.yaml", TINY + "sliding_window: 8\nsliding_window_layers: [1]\n"))
+    assert [w.window(i) for i in range(2)] == [None, 8]
+    mla = load_model(write(tmp_path, "m.yaml", TINY + MLA + "\n"))
+    assert mla.head_dim == 12 and mla.mla.q_lora_rank is None

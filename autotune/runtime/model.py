@@ -1,4 +1,8 @@
-"""A plain Llama-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU (or MoE) MLP.
+"""A plain Llama-style decoder: RMSNorm, RoPE, GQA attention (optionally QK-normed), an
+MLP of the model's kind (SwiGLU, GeGLU, GELU, squared ReLU) or MoE.
+
+What it does not build (MLA, sliding windows, biases, LayerNorm, learned positions,
+tied embeddings) autotune/trainable.py refuses before a trial starts.
 
 It knows nothing of parallelism. Every parallel dimension is applied from outside
 (runtime/parallel/*), which is why:
@@ -38,6 +42,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor) and not isinstance(x, DTensor):
+            # QK-norm under tensor parallel: x is this rank's heads, the weight replicated
+            # over tp; each rank's gradient covers its own heads, a partial sum.
+            return rms_norm(x, self.weight.to_local(grad_placements=[Partial()]), self.eps)
         if isinstance(x, DTensor):
             weight = self.weight.to_local(grad_placements=[Partial()]) if isinstance(self.weight, DTensor) \
                 else self.weight
@@ -86,6 +94,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.core = CoreAttention()
+        # QK-norm (Qwen3, OLMo 2, Gemma 3): RMSNorm of every query and key head before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.rope_theta = cfg.rope_theta
         # Positions of this rank's tokens; None means 0..seq-1. Context parallel sets them.
         self.positions: torch.Tensor | None = None
@@ -98,6 +109,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.core(q, k, v).reshape(batch, seq, -1))
 
@@ -111,7 +124,7 @@ class Block(nn.Module):
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg)
         else:
-            self.mlp = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)
+            self.mlp = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size, cfg.mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))

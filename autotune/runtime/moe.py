@@ -2,10 +2,10 @@
 
     router    a linear map to one logit per expert; softmax; each token keeps its top_k
               experts (autotune_kernels.moe.route)
-    experts   num_experts SwiGLUs of width expert_ffn_hidden_size, stored as three
-              [experts, in, out] tensors and run as grouped matmuls over the tokens
+    experts   num_experts MLPs of the model's kind and width expert_ffn_hidden_size, stored
+              as [experts, in, out] tensors (three gated, two plain) and run as grouped matmuls over the tokens
               sorted by expert; dropless: every token reaches its experts
-    shared    num_shared_experts always-on SwiGLUs (one SwiGLU of their summed width)
+    shared    num_shared_experts always-on MLPs (one MLP of their summed width)
 
 Load balancing: the Switch Transformer loss, weighted by `aux_loss_weight`, added for
 every MoE layer:
@@ -40,25 +40,29 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autotune.config import ModelConfig
-from autotune.runtime.mlp import FeedForward
+from autotune.model_size import GATED_MLPS
+from autotune.runtime.mlp import FeedForward, activation
 from autotune_kernels.moe import expert_counts, grouped_matmul, permute, route, unpermute
 
 
 class GroupedExperts(nn.Module):
-    """num_experts SwiGLUs: down(silu(x gate_e) * (x up_e)) for the block of x routed to e.
+    """num_experts MLPs of the model's kind (runtime/mlp.py), e.g. SwiGLU
+    down(silu(x gate_e) * (x up_e)), for the block of x routed to e; the plain kinds
+    (gelu, relu2) have no gate.
 
     Expert parallel keeps num_experts / ep of them on each rank (a DTensor sharded on
     dim 0); the grouped matmuls then run on the local ones.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, kind: str = "swiglu"):
         super().__init__()
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.kind = kind
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size)) if kind in GATED_MLPS \
+            else None
         self.up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
 
@@ -68,9 +72,9 @@ class GroupedExperts(nn.Module):
         Each weight is made local right before its matmul: autograd runs later-made
         nodes first, so each weight's gradient then reaches its parameter (and its
         temporary is freed) as soon as it is computed, not after all three."""
-        gate = grouped_matmul(x, local(self.gate), counts)
+        gate = grouped_matmul(x, local(self.gate), counts) if self.gate is not None else None
         up = grouped_matmul(x, local(self.up), counts)
-        return grouped_matmul(F.silu(gate) * up, local(self.down), counts)
+        return grouped_matmul(activation(self.kind, up, gate), local(self.down), counts)
 
 
 def local(weight: torch.Tensor) -> torch.Tensor:
@@ -124,8 +128,8 @@ class MoE(nn.Module):
         moe = cfg.moe
         self.num_experts, self.top_k, self.aux_loss_weight = moe.num_experts, moe.top_k, moe.aux_loss_weight
         self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = GroupedExperts(moe.num_experts, cfg.hidden_size, moe.expert_ffn_hidden_size)
-        self.shared = FeedForward(cfg.hidden_size, moe.num_shared_experts * moe.expert_ffn_hidden_size) \
+        self.experts = GroupedExperts(moe.num_experts, cfg.hidden_size, moe.expert_ffn_hidden_size, cfg.mlp)
+        self.shared = FeedForward(cfg.hidden_size, moe.num_shared_experts * moe.expert_ffn_hidden_size, cfg.mlp) \
             if moe.num_shared_experts else None
         self.aux_loss_scale = 1.0  # set by the trainer: see the module docstring
         self.sequence_group: dist.ProcessGroup | None = None  # set by context parallel

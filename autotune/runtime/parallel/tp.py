@@ -7,7 +7,9 @@ reduce-scatter) per half is all the communication a block needs:
     attention: wq, wk, wv column-parallel (each rank computes heads/tp query heads and
                kv_heads/tp kv heads; the model views q/k/v with -1 heads, so it runs the
                per-rank head count untouched), wo row-parallel
-    MLP:       gate, up column-parallel (ffn/tp columns each), down row-parallel
+    MLP:       gate (gated kinds), up column-parallel (ffn/tp columns each), down row-parallel
+    QK-norm:   its weights replicated (each rank normalises its own heads; their
+               gradients are partial sums over tp, reduced like the SP norms')
     embedding: vocabulary-parallel (row-wise: each rank owns vocab/tp rows, the partial
                embeddings are summed)
     output:    vocabulary-parallel (column-wise) and left sharded: the loss is computed
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -80,10 +82,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         dense = isinstance(block.mlp, FeedForward)  # MoE blocks stay whole (module docstring)
         if dense:
             plan.update({
-                "mlp.gate": ColwiseParallel(),
                 "mlp.up": ColwiseParallel(),
                 "mlp.down": RowwiseParallel(output_layouts=stream),
             })
+            if block.mlp.gate is not None:  # gated kinds only
+                plan["mlp.gate"] = ColwiseParallel()
         if sequence_parallel:
             # The norms hand on sequence shards; attention and MLP need whole sequences.
             whole = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
@@ -96,3 +99,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                     use_local_output=True),
             })
         parallelize_module(block, tp_mesh, plan)
+        for norm in (block.attention.q_norm, block.attention.k_norm):
+            if norm is not None:  # QK-norm: one weight for every head, replicated over tp
+                distribute_module(norm, tp_mesh)

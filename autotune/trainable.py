@@ -1,0 +1,40 @@
+"""What the runtime trains, and a one-line refusal for what it does not.
+
+The estimator prices every model the vocabulary describes (model_size.py), but a
+trial must train exactly that model or not start: a layout measured on a different
+model answers a different question. So `autotune trial` and `run` refuse such a
+model with exit 2 before anything is launched.
+
+Trained: GQA attention with or without QK-norm, every MLP kind (dense, routed and
+shared experts), MoE with dense layers between, RMSNorm, RoPE, an untied head, under
+every parallel dimension. Not yet: MLA, sliding windows, biases, LayerNorm, learned
+positions, tied embeddings.
+"""
+
+from __future__ import annotations
+
+from autotune.config import ModelConfig
+from autotune.errors import UsageError
+
+
+def model_refusal(model: ModelConfig) -> str | None:
+    """Why the runtime cannot train this model under any layout, or None."""
+    if model.attention == "mla":
+        return f"{model.name}: attention: mla is priced by the estimator but not trained by the runtime yet"
+    if model.sliding_window is not None:
+        return f"{model.name}: sliding_window is priced by the estimator but not trained by the runtime yet"
+    if model.bias != "none":
+        return f"{model.name}: bias: {model.bias} is priced by the estimator but not trained by the runtime yet"
+    if model.norm != "rmsnorm":
+        return f"{model.name}: norm: {model.norm} is priced by the estimator but not trained by the runtime yet"
+    if model.learned_positions:
+        return f"{model.name}: learned_positions is priced by the estimator but not trained by the runtime yet"
+    if model.tie_embeddings:
+        return f"{model.name}: tie_embeddings is priced by the estimator but not trained by the runtime yet"
+    return None
+
+
+def check_trainable(model: ModelConfig) -> None:
+    problem = model_refusal(model)
+    if problem:
+        raise UsageError(problem)

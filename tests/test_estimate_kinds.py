@@ -1,0 +1,66 @@
+"""The estimator prices each kind of block by its own parameters, activations and FLOPs."""
+
+import dataclasses
+
+import pytest
+
+from autotune.config import MLAConfig, load_hardware, load_model
+from autotune.estimate import estimate
+from autotune.estimate_memory import block_saved_tensors, model_figures
+from autotune.layout import resolve
+
+H100 = load_hardware("h100-sxm")
+LLAMA_8B = load_model("llama3-8b")
+
+
+def with_(model, **changes):
+    return dataclasses.replace(model, **changes).validate()
+
+
+def test_two_matrix_mlps_hold_two_thirds_of_the_weights_and_half_the_saved_tensors():
+    gelu = with_(LLAMA_8B, mlp="gelu")
+    assert model_figures(gelu).dense_mlp * 3 == model_figures(LLAMA_8B).dense_mlp * 2
+    saved = {m: sum(i.elements for i in block_saved_tensors(with_(LLAMA_8B, mlp=m), False, 2) if "mlp (" in i.name)
+             for m in ("swiglu", "geglu", "gelu", "relu2")}
+    assert saved == {"swiglu": 4 * 14336, "geglu": 4 * 14336, "gelu": 2 * 14336, "relu2": 2 * 14336}
+    layout = resolve("tp=2,dp=4", LLAMA_8B, 8, 8)
+    assert estimate(gelu, layout, H100).memory["params"] < estimate(LLAMA_8B, layout, H100).memory["params"]
+
+
+def test_a_window_cuts_attention_flops_to_the_window():
+    windowed = with_(LLAMA_8B, sliding_window=1024)
+    attention = 12 * 32 * 32 * 128
+    assert LLAMA_8B.flops_per_token() - windowed.flops_per_token() == attention * (8192 - 1024)
+    half = with_(LLAMA_8B, sliding_window=1024, sliding_window_layers=list(range(0, 32, 2)))
+    assert LLAMA_8B.flops_per_token() - half.flops_per_token() == attention * (8192 - 1024) // 2
+
+
+def test_mla_prices_its_low_rank_projections_and_head_dims():
+    ds = load_model("deepseek-v3")
+    m = ds.mla
+    h, heads = 7168, 128
+    attention = (h * 1536 + 1536 + 1536 * heads * 192 + h * (512 + 64) + 512 + 512 * heads * (128 + 128)
+                 + heads * 128 * h)
+    assert ds.attention_params() == attention
+    assert ds.flops_per_token() == 6 * ds.active_matmul_params() + 61 * 6 * heads * (192 + 128) * ds.seq_len
+    saved = {i.name: i.elements for i in block_saved_tensors(ds, True, 2)}
+    assert saved["q after rope"] == saved["k after rope"] == heads * 192 and saved["v"] == heads * 128
+    assert saved["kv latent norm input and output"] == 2 * m.kv_lora_rank
+    no_q_latent = with_(ds, mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+    assert ds.attention_params() - no_q_latent.attention_params() == h * 1536 + 1536 + 1536 * heads * 192 \
+        - h * heads * 192
+
+
+def test_dense_first_layers_and_shared_experts_are_priced():
+    ds = load_model("deepseek-v3")
+    fig = model_figures(ds)
+    expert = 3 * 7168 * 2048
+    assert fig.moe_dense == 7168 * 256 + expert and fig.moe_routed == 256 * expert
+    assert ds.num_moe_layers == 58 and fig.dense_mlp == 3 * 7168 * 18432
+
+
+@pytest.mark.parametrize("layout", ["pp=16,ep=8,dp=16,mbs=1,recompute=full", "pp=8,tp=8,ep=4,dp=4,mbs=1"])
+def test_deepseek_v3_prices_layouts_with_expert_parallel(layout):
+    ds = load_model("deepseek-v3")
+    e = estimate(ds, resolve(layout, ds, 256, 8), H100)
+    assert e.peak_mem_bytes > 0 and e.tokens_per_s > 0 and e.memory["params"] > 0
