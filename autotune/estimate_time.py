@@ -43,12 +43,13 @@ class Links(NamedTuple):
     latency_s: float
 
     def ring_bandwidth(self, group: Group) -> float:
-        """Bytes/s a ring collective moves per rank. Inside a node: NVLink. Across nodes
-        every member drives its own NIC and NCCL runs a ring per NIC, so k members per
-        node get k NICs' worth (never more than NVLink)."""
+        """Bytes/s a ring collective moves per rank. Inside the scale-up domain (an HGX
+        node's 8 GPUs, an NVL72 rack's 72): NVLink or Infinity Fabric. Across domains every
+        member drives its own NIC and NCCL runs a ring per NIC, so k members per domain get
+        k NICs' worth (never more than the scale-up link)."""
         hw = self.hardware
-        gbps = hw.intra_node_gbps if group.inside_node(hw.gpus_per_node) else \
-            min(hw.intra_node_gbps, hw.inter_node_gbps * group.members_per_node(hw.gpus_per_node))
+        gbps = hw.scale_up_gbps if group.inside_node(hw.scale_up_gpus) else \
+            min(hw.scale_up_gbps, hw.scale_out_gbps * group.members_per_node(hw.scale_up_gpus))
         return gbps * 1e9 * self.bandwidth_efficiency
 
     def all_reduce(self, nbytes: float, group: Group) -> float:
@@ -63,23 +64,23 @@ class Links(NamedTuple):
         return 0.0 if n == 1 or not nbytes else (n - 1) / n * nbytes / self.ring_bandwidth(group) + self.latency_s
 
     def all_to_all(self, nbytes: float, group: Group) -> float:
-        """`nbytes` per rank spread evenly over the group: the share for peers on this
-        node goes over NVLink, the rest over this GPU's own NIC, both at once."""
+        """`nbytes` per rank spread evenly over the group: the share for peers in this
+        scale-up domain goes over NVLink, the rest over this GPU's own NIC, both at once."""
         n = group.size
         if n == 1 or not nbytes:
             return 0.0
         hw = self.hardware
-        local = group.members_per_node(hw.gpus_per_node)
+        local = group.members_per_node(hw.scale_up_gpus)
         eff = self.bandwidth_efficiency
-        return max(nbytes * (local - 1) / n / (hw.intra_node_gbps * 1e9 * eff),
-                   nbytes * (n - local) / n / (hw.inter_node_gbps * 1e9 * eff)) + self.latency_s
+        return max(nbytes * (local - 1) / n / (hw.scale_up_gbps * 1e9 * eff),
+                   nbytes * (n - local) / n / (hw.scale_out_gbps * 1e9 * eff)) + self.latency_s
 
     def p2p(self, nbytes: float, group: Group) -> float:
         """One transfer between neighbours of the group."""
         if group.size == 1 or not nbytes:
             return 0.0
         hw = self.hardware
-        gbps = hw.intra_node_gbps if group.inside_node(hw.gpus_per_node) else hw.inter_node_gbps
+        gbps = hw.scale_up_gbps if group.inside_node(hw.scale_up_gpus) else hw.scale_out_gbps
         return nbytes / (gbps * 1e9 * self.bandwidth_efficiency) + self.latency_s
 
 

@@ -148,12 +148,14 @@ def test_flops_per_token_by_hand():
 
 def test_hardware_presets_and_custom(tmp_path):
     h100 = load_hardware("h100-sxm")
-    assert (h100.peak_tflops, h100.memory_gb, h100.gpus_per_node) == (989, 80, 8)
+    assert (h100.peak_tflops, h100.memory_gb, h100.gpus_per_host, h100.scale_up_gpus) == (989, 80, 8, 8)
     assert hardware_for_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     assert hardware_for_device_name("NVIDIA GeForce RTX 4090") is None
     custom = load_hardware(write(tmp_path, "mine.yaml", "peak_tflops: 100\nmemory_gb: 24\ngpus_per_node: 4\n"
                                                           "intra_node_gbps: 32\ninter_node_gbps: 12.5\n"))
-    assert custom.name == "mine" and custom.inter_node_gbps == 12.5
-    with pytest.raises(UsageError, match="^gpus_per_node: must be a positive integer"):
+    # The names of a file written before scale-up domains: the domain is the host.
+    assert custom.name == "mine" and custom.scale_out_gbps == 12.5 and custom.scale_up_gpus == 4
+    assert custom.matmul_tflops("fp8") == 100  # no table: every precision at peak_tflops
+    with pytest.raises(UsageError, match="^gpus_per_host: must be a positive integer"):
         load_hardware(write(tmp_path, "bad.yaml", "peak_tflops: 1\nmemory_gb: 1\ngpus_per_node: 0\n"
                                                    "intra_node_gbps: 1\ninter_node_gbps: 1\n"))

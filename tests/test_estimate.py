@@ -37,7 +37,7 @@ TINY = load_model("tiny")
 LLAMA_70B = load_model("llama3-70b")
 H100 = load_hardware("h100-sxm")
 # Links so fast that communication vanishes, for the pure pipeline formulas.
-INSTANT_LINKS = dataclasses.replace(H100, intra_node_gbps=1e12, inter_node_gbps=1e12)
+INSTANT_LINKS = dataclasses.replace(H100, scale_up_gbps=1e12, scale_out_gbps=1e12)
 NO_LATENCY = Calibration(latency_s=0.0)
 
 
@@ -325,7 +325,7 @@ def test_all_to_all_volume_of_expert_parallel():
     sends (ep-1)/ep of its bytes over NVLink inside a node. Sequence parallel does not
     shrink them: MoE blocks see whole sequences."""
     mixtral = load_model("mixtral-8x7b")
-    links = H100.intra_node_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency
+    links = H100.scale_up_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency
     for text, gpus in (("ep=8,mbs=1", 8), ("ep=4,tp=2,sp=1,mbs=1", 8)):
         layout = resolve(text, mixtral, gpus, 8)
         e = estimate(mixtral, layout, H100, calibration=NO_LATENCY)
@@ -353,10 +353,10 @@ def test_a_group_across_nodes_gets_its_members_nics():
     """TP 8 on nodes of 4 GPUs: the ring crosses nodes with 4 members (4 NICs) per node,
     so TP communication slows by NVLink / (4 x NIC) bandwidth."""
     layout = resolve("tp=8,dp=8", LLAMA_70B, 64)
-    small_nodes = dataclasses.replace(H100, gpus_per_node=4)
+    small_nodes = H100.with_gpus_per_host(4)
     inside = estimate(LLAMA_70B, layout, H100, calibration=NO_LATENCY)
     across = estimate(LLAMA_70B, layout, small_nodes, calibration=NO_LATENCY)
-    ratio = H100.intra_node_gbps / (4 * H100.inter_node_gbps)
+    ratio = H100.scale_up_gbps / (4 * H100.scale_out_gbps)
     assert across.comm_s["tp"] / inside.comm_s["tp"] == pytest.approx(ratio)
     assert across.step_time_s > inside.step_time_s
 
@@ -369,7 +369,7 @@ def test_context_parallel_ring_volume_and_what_it_hides():
     compute hides every hop but the last dK/dV one per layer; at 8k it hides less."""
     long = dataclasses.replace(LLAMA_70B, seq_len=32768, global_batch_size=128)
     kv_bytes = long.seq_len / 4 * 2 * long.num_kv_heads * long.head_dim / 8 * 2  # seq/cp tokens, kv/tp heads, bf16
-    hop_s = kv_bytes / (H100.inter_node_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency)
+    hop_s = kv_bytes / (H100.scale_out_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency)
     layers_x_microbatches = long.num_layers * long.global_batch_size
 
     def ring(model, recompute):
