@@ -26,6 +26,7 @@ from autotune.config import (
     load_hardware,
     load_model,
     model_presets,
+    parse_dtype,
 )
 from autotune.errors import UsageError
 from autotune.launch import LAUNCHERS
@@ -43,6 +44,14 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def dtype_option(text: str) -> str:
+    """--dtype as people write it (bfloat16, float32, fp8_e4m3, ...), in its canonical name."""
+    try:
+        return parse_dtype(text, "--dtype")
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype: ")) from None
 
 
 def positive_int(text: str) -> int:
@@ -107,7 +116,7 @@ def add_trial_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=None, choices=DTYPES,
+    p.add_argument("--dtype", default=None, type=dtype_option, metavar="|".join(DTYPES),
                    help="train in this precision instead of the model's (default: the model's on CUDA, fp32 on the "
                         "CPU; --dtype bf16 on the CPU runs the GPU's mixed-precision plan)")
 

@@ -22,7 +22,34 @@ from autotune.errors import UsageError
 GIB = 2**30  # memory_gb, budgets and every reported GiB figure
 PRESET_DIR = Path(__file__).parent / "models"
 HARDWARE_DIR = Path(__file__).parent / "hardware"
-DTYPES = ("bf16", "fp32")
+# The precisions a model trains in. fp16 trains with a loss scaler; fp8 and mxfp8 run the
+# linear layers' matmuls in 8-bit floats (per-tensor or per-row scales; per-32-element
+# block scales) on bf16 compute, with fp32 masters and optimizer state as bf16 has.
+DTYPES = ("bf16", "fp16", "fp32", "fp8", "mxfp8")
+# The spellings people use for them: Hugging Face's torch_dtype, torch's names, fp8 formats.
+DTYPE_SPELLINGS = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "fp8": "fp8", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e4m3fn": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
+    "fp8_hybrid": "fp8",  # Transformer Engine's e4m3 forward, e5m2 gradients: torchao's recipes do the same
+    "mxfp8": "mxfp8", "mx_fp8": "mxfp8", "mxfp8_e4m3": "mxfp8",
+}
+# Precisions people train in that this tool does not: named so that the refusal says so.
+UNTRAINED_DTYPES = ("nvfp4", "mxfp4", "fp4", "mxfp6", "fp6", "int8", "int4", "fp64", "float64", "tf32")
+
+
+def parse_dtype(value, field: str = "dtype") -> str:
+    """The canonical name (DTYPES) of a precision as people write it (DTYPE_SPELLINGS); a
+    precision this tool does not train, or no precision at all, is a usage error naming it."""
+    key = value.strip().lower().replace("-", "_") if isinstance(value, str) else None
+    if key in DTYPE_SPELLINGS:
+        return DTYPE_SPELLINGS[key]
+    if key in UNTRAINED_DTYPES:
+        raise UsageError(f"{field}: {value} is a precision autotune does not train "
+                         f"(it trains {', '.join(DTYPES)})")
+    raise UsageError(f"{field}: must be one of {', '.join(DTYPES)} (or bfloat16, float16, float32, fp8_e4m3), "
+                     f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -90,8 +117,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UsageError(
                 f"num_kv_heads: must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))  # bfloat16 -> bf16, ...
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise UsageError("norm_eps and rope_theta: must be positive")
         if self.moe is not None:
@@ -253,9 +279,7 @@ def trained_dtype(model: ModelConfig, device: str, dtype: str | None = None) -> 
     """The precision a trial trains in: `--dtype`, else on CUDA the model's own, else fp32 (a
     CPU trial is the numerics oracle unless asked for the GPU's mixed-precision plan)."""
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise UsageError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        return dtype
+        return parse_dtype(dtype, "--dtype")
     return model.dtype if device == "cuda" else "fp32"
 
 

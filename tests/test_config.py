@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from autotune.config import hardware_for_device_name, load_hardware, load_model, model_presets
+from autotune.config import hardware_for_device_name, load_hardware, load_model, model_presets, trained_dtype
 from autotune.errors import UsageError
 
 
@@ -50,7 +50,9 @@ def test_derived_defaults(tmp_path):
     ("vocab_size: lots", "vocab_size: must be int, got str 'lots'"),
     ("num_kv_heads: 3", "num_kv_heads: must divide num_heads (4), got 3"),
     ("colour: blue", "colour: unknown field"),
-    ("dtype: fp8", "dtype: must be one of bf16, fp32, got 'fp8'"),
+    ("dtype: nvfp4", "dtype: nvfp4 is a precision autotune does not train (it trains bf16, fp16, fp32, fp8, mxfp8)$"),
+    ("dtype: bf17", "dtype: must be one of bf16, fp16, fp32, fp8, mxfp8"),
+    ("dtype: 16", "dtype: must be str, got int 16"),
     ("moe: {num_experts: 4, top_k: 8, expert_ffn_hidden_size: 8}", "moe.top_k: must be <= moe.num_experts (4), got 8"),
     ("moe: {num_experts: 4, top_k: 1}", "moe.expert_ffn_hidden_size: missing required field"),
     ("moe: {num_experts: 4, top_k: 1, expert_ffn_hidden_size: 8, layers: [0, 9]}", "moe.layers: each entry"),
@@ -60,6 +62,17 @@ def test_validation_names_the_field_and_the_rule(tmp_path, edit, message):
     text = "\n".join(line for line in TINY.splitlines() if not line.startswith(key + ":")) + "\n" + edit
     with pytest.raises(UsageError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         load_model(write(tmp_path, "t.yaml", text))
+
+
+@pytest.mark.parametrize("written, canonical", [
+    ("bf16", "bf16"), ("bfloat16", "bf16"), ("BF16", "bf16"), ("float16", "fp16"), ("half", "fp16"),
+    ("float32", "fp32"), ("fp32", "fp32"), ("fp8", "fp8"), ("fp8_e4m3", "fp8"), ("float8_e4m3fn", "fp8"),
+    ("fp8-e4m3", "fp8"), ("mxfp8", "mxfp8"), ("MXFP8", "mxfp8"),
+])
+def test_dtype_spellings_load(tmp_path, written, canonical):
+    text = "\n".join(line for line in TINY.splitlines() if not line.startswith("dtype:")) + f"\ndtype: {written}"
+    assert load_model(write(tmp_path, "t.yaml", text)).dtype == canonical
+    assert trained_dtype(load_model("tiny"), "cpu", written) == canonical  # --dtype reads the same words
 
 
 def test_missing_field(tmp_path):
