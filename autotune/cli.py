@@ -391,8 +391,10 @@ def cmd_estimate(args) -> int:
 
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
-    if args.peak_tflops is not None:
-        hardware = dataclasses.replace(hardware, peak_tflops=args.peak_tflops)
+    if args.peak_tflops is not None:  # the bf16 peak; the other precisions keep their ratio to it
+        ratio = args.peak_tflops / hardware.peak_tflops if hardware.peak_tflops else None
+        hardware = dataclasses.replace(hardware, peak_tflops=args.peak_tflops, dense_tflops={
+            k: v * ratio for k, v in hardware.dense_tflops.items()} if ratio else {})
     device = args.device or ("cpu" if hardware.name == "cpu" else "cuda")
     budget = budget_bytes(hardware, args.memory_budget_gb)
     if args.layout is not None:

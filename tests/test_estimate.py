@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from autotune.cli import main
-from autotune.config import load_hardware, load_model
+from autotune.config import as_trained, load_hardware, load_model
+from autotune.errors import UsageError
 from autotune.estimate import (
     GIB,
     Calibration,
@@ -26,6 +27,7 @@ from autotune.estimate_memory import (
     SavedTotals,
     chunks_in_flight,
     peak_points,
+    pipeline_shapes,
     rank_memory,
     rank_shape,
     saved_bytes_per_token,
@@ -503,3 +505,46 @@ def test_estimate_modules_do_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     json.loads(result.stdout)
+
+
+# -- precisions ---------------------------------------------------------------------------------------
+
+def test_fp8_prices_the_linears_at_the_fp8_peak_and_reports_mfu_against_bf16():
+    """fp8 on an H100: the blocks' linears at the fp8 peak (twice bf16's) times the 8-bit
+    efficiency, the attention core and the head at bf16's; memory as bf16 but for the 8-bit
+    casts a backward GEMM holds; MFU over the bf16 peak, so it rises with the speed."""
+    model = load_model("llama3-8b")
+    layout = resolve("dp=8,zero=1,recompute=selective", model, 8, 8)
+    bf16 = estimate(model, layout, H100, device="cuda", dtype="bf16", calibration=NO_LATENCY)
+    fp8 = estimate(model, layout, H100, device="cuda", dtype="fp8", calibration=NO_LATENCY)
+    fp16 = estimate(model, layout, H100, device="cuda", dtype="fp16", calibration=NO_LATENCY)
+    assert fp16.step_time_s == bf16.step_time_s and fp16.peak_mem_bytes == bf16.peak_mem_bytes
+    assert 1.05 < bf16.step_time_s / fp8.step_time_s < 1.3  # the range published fp8 speedups fall in
+    assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s)
+    assert fp8.peak_mem_bytes >= bf16.peak_mem_bytes
+    # With the 8-bit GEMMs as efficient as bf16's, the linears take exactly half the time.
+    even = dataclasses.replace(NO_LATENCY, linear_8bit_efficiency=1.0)
+    flat = estimate(model, layout, H100, device="cuda", dtype="fp8", calibration=even)
+    assert flat.step_time_s < fp8.step_time_s
+
+
+def test_fp8_casts_are_held_by_the_layer_backward():
+    model = load_model("llama3-8b")
+    layout = resolve("dp=8,pp=2,zero=1", model, 16, 8)
+    shape = pipeline_shapes(model, layout)[0]  # the first stage: no head, its peak is a layer's backward
+    trained = {d: as_trained(model, "cuda", d) for d in ("bf16", "fp8", "mxfp8")}
+    held = {d: rank_memory(m, layout, "cuda", shape)["layer_backward"]["temporaries"] for d, m in trained.items()}
+    tokens, h, ffn = layout.mbs * model.seq_len, model.hidden_size, model.ffn_hidden_size
+    casts = tokens * h + tokens * ffn + h * ffn
+    assert held["fp8"] - held["bf16"] == pytest.approx(casts)
+    assert held["mxfp8"] - held["bf16"] == pytest.approx(casts * (1 + 1 / 32))
+
+
+def test_a_device_without_the_precision_refuses():
+    layout = resolve("dp=8", TINY, 8, 8)
+    with pytest.raises(UsageError, match=r"^dtype: a100-80gb has no fp8"):
+        estimate(TINY, layout, load_hardware("a100-80gb"), device="cuda", dtype="fp8")
+    with pytest.raises(UsageError, match=r"^dtype: h100-sxm has no mxfp8"):
+        estimate(TINY, layout, H100, device="cuda", dtype="mxfp8")
+    # The CPU preset has no table: it prices memory, and time once --peak-tflops is given.
+    assert estimate(TINY, layout, load_hardware("cpu"), device="cpu", dtype="fp8").peak_mem_bytes > 0
