@@ -25,6 +25,7 @@ from autotune.config import (
     hardware_presets,
     load_hardware,
     load_model,
+    parse_dtype,
 )
 from autotune.errors import UsageError
 from autotune.export.command import add_export_parser
@@ -45,6 +46,14 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def dtype_option(text: str) -> str:
+    """--dtype as people write it (bfloat16, float32, fp8_e4m3, ...), in its canonical name."""
+    try:
+        return parse_dtype(text, "--dtype")
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype: ")) from None
 
 
 def positive_int(text: str) -> int:
@@ -109,7 +118,7 @@ def add_trial_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=None, choices=DTYPES,
+    p.add_argument("--dtype", default=None, type=dtype_option, metavar="|".join(DTYPES),
                    help="train in this precision instead of the model's (default: the model's on CUDA, fp32 on the "
                         "CPU; --dtype bf16 on the CPU runs the GPU's mixed-precision plan)")
 
@@ -162,7 +171,8 @@ def build_parser() -> Parser:
     p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="peak TFLOP/s per device for MFU (default: hardware preset, or measured on CPU)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
-                   help="GPUs per node: TP stays inside one; a trial of more spans gpus / G nodes "
+                   help="GPUs per node (host): a trial of more spans gpus / G nodes; TP stays inside "
+                        "the scale-up domain, which is the host but on rack-scale NVLink (NVL72: 72) "
                         "(default: the hardware's)")
     add_launcher_options(p)
     p.add_argument("--trial-timeout", type=positive_float, default=None, metavar="S",
@@ -236,8 +246,8 @@ def cmd_run(args) -> int:
         if args.gpus % args.gpus_per_node:
             raise UsageError(f"--gpus-per-node: must divide --gpus ({args.gpus}): a trial uses whole nodes, "
                              f"got {args.gpus_per_node}")
-    if args.gpus_per_node:  # the estimator prices communication inside and across nodes by it
-        hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+    if args.gpus_per_node:  # hosts of this size; a host-sized scale-up domain follows (HardwareConfig)
+        hardware = hardware.with_gpus_per_host(args.gpus_per_node)
     options = space.options
     question = Question(
         model=dataclasses.asdict(model), gpus=args.gpus, space=dataclasses.asdict(space),
@@ -247,7 +257,7 @@ def cmd_run(args) -> int:
         memory_budget_gb=args.memory_budget_gb or (hardware.memory_gb or None),
         device=args.device, steps=args.steps or options.get("steps", 5),
         warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
-        gpus_per_node=args.gpus_per_node or hardware.gpus_per_node, launcher=args.launcher,
+        gpus_per_node=args.gpus_per_node or hardware.gpus_per_host, launcher=args.launcher,
         trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops,
         trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat, dtype=args.dtype)
     Launcher(question.launcher, question.gpus_per_node, args.hosts).check(args.gpus)  # before the study exists
@@ -266,12 +276,16 @@ def cmd_trial(args) -> int:
     from autotune.launch import Launcher, run_trial
 
     model = load_model(args.model)
-    layout = resolve(args.layout, model, args.gpus, args.gpus_per_node)
+    # Tensor parallel stays inside the scale-up domain: the hardware's (NVL72: 72, whatever the
+    # host), else the hosts of --gpus-per-node.
+    scale_up = args.gpus_per_node
+    if args.hardware:  # a bad preset or file is a usage error here, not in every rank
+        hardware = load_hardware(args.hardware)
+        scale_up = (hardware.with_gpus_per_host(args.gpus_per_node) if args.gpus_per_node else hardware).scale_up_gpus
+    layout = resolve(args.layout, model, args.gpus, scale_up)
     check_trainable(model)
     launcher = Launcher(args.launcher, args.gpus_per_node, args.hosts)
     launcher.check(args.gpus)
-    if args.hardware:
-        load_hardware(args.hardware)  # a bad preset or file is a usage error here, not in every rank
     spec = TrialSpec(model=dataclasses.asdict(as_trained(model, args.device, args.dtype)), layout=str(layout),
                      steps=args.steps,
                      warmup=args.warmup, seed=args.seed, device=args.device,
@@ -361,22 +375,24 @@ def cmd_estimate(args) -> int:
 
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
-    if args.peak_tflops is not None:
-        hardware = dataclasses.replace(hardware, peak_tflops=args.peak_tflops)
+    if args.peak_tflops is not None:  # the bf16 peak; the other precisions keep their ratio to it
+        ratio = args.peak_tflops / hardware.peak_tflops if hardware.peak_tflops else None
+        hardware = dataclasses.replace(hardware, peak_tflops=args.peak_tflops, dense_tflops={
+            k: v * ratio for k, v in hardware.dense_tflops.items()} if ratio else {})
     device = args.device or ("cpu" if hardware.name == "cpu" else "cuda")
     budget = budget_bytes(hardware, args.memory_budget_gb)
     if args.layout is not None:
-        layout = resolve(args.layout, model, args.gpus, hardware.gpus_per_node)
+        layout = resolve(args.layout, model, args.gpus, hardware.scale_up_gpus)
         result = estimate(model, layout, hardware, budget, device=device, dtype=args.dtype)
         if args.json:
             print(json.dumps(result.to_dict(), indent=2))
         else:
             print_estimate(result, model.name, hardware.name)
         return 0
-    layouts = every_layout(model, args.gpus, hardware.gpus_per_node)
+    layouts = every_layout(model, args.gpus, hardware.scale_up_gpus)
     if not layouts:
         raise UsageError(f"gpus: no valid layout of {model.name} on {args.gpus} GPUs "
-                         f"({hardware.gpus_per_node} per node)")
+                         f"({hardware.scale_up_gpus} per scale-up domain)")
     ranked = rank_estimates([estimate(model, layout, hardware, budget, device=device, dtype=args.dtype)
                              for layout in layouts])
     if args.json:

@@ -24,7 +24,34 @@ from autotune.hf_config import from_hf_config
 GIB = 2**30  # memory_gb, budgets and every reported GiB figure
 PRESET_DIR = Path(__file__).parent / "models"
 HARDWARE_DIR = Path(__file__).parent / "hardware"
-DTYPES = ("bf16", "fp32")
+# The precisions a model trains in. fp16 trains with a loss scaler; fp8 and mxfp8 run the
+# linear layers' matmuls in 8-bit floats (per-tensor or per-row scales; per-32-element
+# block scales) on bf16 compute, with fp32 masters and optimizer state as bf16 has.
+DTYPES = ("bf16", "fp16", "fp32", "fp8", "mxfp8")
+# The spellings people use for them: Hugging Face's torch_dtype, torch's names, fp8 formats.
+DTYPE_SPELLINGS = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "fp8": "fp8", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e4m3fn": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
+    "fp8_hybrid": "fp8",  # Transformer Engine's e4m3 forward, e5m2 gradients: torchao's recipes do the same
+    "mxfp8": "mxfp8", "mx_fp8": "mxfp8", "mxfp8_e4m3": "mxfp8",
+}
+# Precisions people train in that this tool does not: named so that the refusal says so.
+UNTRAINED_DTYPES = ("nvfp4", "mxfp4", "fp4", "mxfp6", "fp6", "int8", "int4", "fp64", "float64", "tf32")
+
+
+def parse_dtype(value, field: str = "dtype") -> str:
+    """The canonical name (DTYPES) of a precision as people write it (DTYPE_SPELLINGS); a
+    precision this tool does not train, or no precision at all, is a usage error naming it."""
+    key = value.strip().lower().replace("-", "_") if isinstance(value, str) else None
+    if key in DTYPE_SPELLINGS:
+        return DTYPE_SPELLINGS[key]
+    if key in UNTRAINED_DTYPES:
+        raise UsageError(f"{field}: {value} is a precision autotune does not train "
+                         f"(it trains {', '.join(DTYPES)})")
+    raise UsageError(f"{field}: must be one of {', '.join(DTYPES)} (or bfloat16, float16, float32, fp8_e4m3), "
+                     f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -143,8 +170,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UsageError(
                 f"num_kv_heads: must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))  # bfloat16 -> bf16, ...
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise UsageError("norm_eps and rope_theta: must be positive")
         for name, kinds in (("mlp", MLP_KINDS), ("attention", ATTENTION_KINDS), ("bias", BIAS_KINDS),
@@ -245,24 +271,89 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class HardwareConfig:
-    """What a device can do: the numbers the estimator and MFU need."""
+    """What a device and its cluster can do: the numbers the estimator, MFU and the layout rules need.
+
+    Two domains matter and they are not the same on rack-scale systems: the host (a machine
+    and its GPUs, what a launcher starts processes on) and the scale-up domain (the GPUs that
+    share NVLink or Infinity Fabric). On an HGX/DGX or an MI300X platform both are 8 GPUs; on
+    a GB200 or GB300 NVL72 rack a host holds 4 GPUs and the NVLink domain spans all 72 of the
+    rack. "Inside a node" in the layout rules, the estimator and the report means inside the
+    scale-up domain: that is where TP's all-reduces and EP's all-to-alls are cheap.
+    """
 
     name: str
-    peak_tflops: float  # dense bf16 (fp32 for cpu), per device; 0 = measure by calibration
+    peak_tflops: float  # dense bf16 (fp32 for cpu), per device: MFU's denominator; 0 = measure by calibration
     memory_gb: float  # GiB per device; 0 = no limit known (the CPU)
-    gpus_per_node: int
-    intra_node_gbps: float  # GB/s per device, one direction, inside a node (NVLink)
-    inter_node_gbps: float  # GB/s per device, one direction, across nodes (InfiniBand/RoCE)
+    gpus_per_host: int  # processes a launcher starts on one machine
+    scale_up_gpus: int  # GPUs that share NVLink / Infinity Fabric (NVL72: 72); a multiple of gpus_per_host
+    scale_up_gbps: float  # GB/s per device, one direction, inside the scale-up domain
+    scale_out_gbps: float  # GB/s per device, one direction, between scale-up domains (InfiniBand/RoCE)
+    # Dense peak TFLOP/s per device by precision (bf16, fp16, fp8, mxfp8, fp32, tf32: those it
+    # has). Empty: every precision at peak_tflops (a custom YAML, the calibrated CPU). Left out
+    # of the hash (a dict is not hashable); equality still compares it.
+    dense_tflops: dict = dataclasses.field(default_factory=dict, hash=False)
 
     def validate(self) -> "HardwareConfig":
-        _positive("gpus_per_node", self.gpus_per_node)
-        for name in ("intra_node_gbps", "inter_node_gbps"):
+        _positive("gpus_per_host", self.gpus_per_host)
+        _positive("scale_up_gpus", self.scale_up_gpus)
+        if self.scale_up_gpus % self.gpus_per_host:
+            raise UsageError(f"scale_up_gpus: must be a multiple of gpus_per_host ({self.gpus_per_host}), "
+                             f"got {self.scale_up_gpus}")
+        for name in ("scale_up_gbps", "scale_out_gbps"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"{name}: must be a positive number, got {getattr(self, name)}")
         for name in ("peak_tflops", "memory_gb"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for precision, tflops in self.dense_tflops.items():
+            if precision not in HARDWARE_PRECISIONS:
+                raise UsageError(f"dense_tflops.{precision}: unknown precision "
+                                 f"(known: {', '.join(HARDWARE_PRECISIONS)})")
+            if isinstance(tflops, bool) or not isinstance(tflops, (int, float)) or tflops <= 0:
+                raise UsageError(f"dense_tflops.{precision}: must be a positive number, got {tflops!r}")
         return self
+
+    def matmul_tflops(self, dtype: str) -> float:
+        """Dense peak of the matmuls of a model trained in `dtype` (DTYPES): fp8 and mxfp8 run
+        their linear layers' GEMMs at the device's fp8 or MX rate, fp32 at its fp32 rate (the
+        runtime leaves torch's float32 matmuls in full fp32, not TF32). A device without that
+        precision refuses, in one line."""
+        if not self.dense_tflops:
+            return self.peak_tflops
+        if dtype not in self.dense_tflops:
+            raise UsageError(f"dtype: {self.name} has no {dtype} (it has {', '.join(self.dense_tflops)})")
+        return float(self.dense_tflops[dtype])
+
+    def with_gpus_per_host(self, gpus: int) -> "HardwareConfig":
+        """--gpus-per-node: hosts of `gpus` GPUs. Where the scale-up domain is the host (HGX,
+        MI300X, the CPU), the domain shrinks or grows with it; a rack-scale domain (NVL72)
+        stays as it is."""
+        domain = gpus if self.scale_up_gpus == self.gpus_per_host else self.scale_up_gpus
+        return dataclasses.replace(self, gpus_per_host=gpus, scale_up_gpus=domain)
+
+
+# Precisions a hardware preset may list (tf32: the tensor-core rate of fp32 inputs, for reference).
+HARDWARE_PRECISIONS = ("bf16", "fp16", "fp8", "mxfp8", "fp32", "tf32")
+# A hardware description written before scale-up domains: its names -> today's.
+_HARDWARE_ALIASES = {"gpus_per_node": "gpus_per_host", "intra_node_gbps": "scale_up_gbps",
+                     "inter_node_gbps": "scale_out_gbps"}
+
+
+def hardware_from_dict(data: dict) -> HardwareConfig:
+    """A hardware description (a YAML's fields, or a stored study's): older names accepted,
+    the scale-up domain defaulting to the host."""
+    data = dict(data)
+    for old, new in _HARDWARE_ALIASES.items():
+        if old in data:
+            if new in data:
+                raise UsageError(f"{old}: give {new} only (it replaces {old})")
+            data[new] = data.pop(old)
+    if "gpus_per_host" in data:
+        data.setdefault("scale_up_gpus", data["gpus_per_host"])
+    dense = data.pop("dense_tflops", None) or {}
+    if not isinstance(dense, dict):
+        raise UsageError(f"dense_tflops: must be a mapping of precision: TFLOP/s, got {type(dense).__name__}")
+    return dataclasses.replace(_build(HardwareConfig, data), dense_tflops=dict(dense)).validate()
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -271,9 +362,7 @@ def trained_dtype(model: ModelConfig, device: str, dtype: str | None = None) -> 
     """The precision a trial trains in: `--dtype`, else on CUDA the model's own, else fp32 (a
     CPU trial is the numerics oracle unless asked for the GPU's mixed-precision plan)."""
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise UsageError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        return dtype
+        return parse_dtype(dtype, "--dtype")
     return model.dtype if device == "cuda" else "fp32"
 
 
@@ -320,13 +409,16 @@ def load_hardware(spec: str) -> HardwareConfig:
     path = _resolve(spec, HARDWARE_DIR, "hardware", hardware_presets())
     data = _read_mapping(path)
     data.setdefault("name", path.stem)
-    return _build(HardwareConfig, data).validate()
+    return hardware_from_dict(data)
 
 
 def hardware_for_device_name(device_name: str) -> HardwareConfig | None:
-    """The preset for a CUDA device name such as 'NVIDIA H100 80GB HBM3', if we know it."""
+    """The preset for a device name such as 'NVIDIA H100 80GB HBM3' or 'AMD Instinct MI300X', if
+    we know it (a Grace-Blackwell GPU names itself GB200/GB300: checked before B200/B300)."""
     upper = device_name.upper()
-    for key, preset in (("B200", "b200"), ("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")):
+    for key, preset in (("GB300", "gb300"), ("GB200", "gb200"), ("B300", "b300"), ("B200", "b200"),
+                        ("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"),
+                        ("MI355X", "mi355x"), ("MI300X", "mi300x")):
         if key in upper:
             return load_hardware(preset)
     return None

@@ -71,10 +71,21 @@ class Precision:
     grad: int  # gradients as they are reduced and accumulated (fp32)
     optimizer: int  # AdamW exp_avg + exp_avg_sq
     compute: int  # activations, and the parameters the model computes with
+    # fp8 / mxfp8: bytes per element of the 8-bit copies a linear's GEMMs take (0: none),
+    # and of their scales (tensorwise: one fp32 per tensor, ~0; MX: one e8m0 byte per 32).
+    cast: float = 0.0
+    scale: float = 0.0
 
 
-# By the precision the model trains in (estimate() gives the model its trained dtype).
+# By the precision the model trains in (estimate() gives the model its trained dtype). fp16
+# holds what bf16 holds (its loss scaler is one float). fp8 and mxfp8 (torchao) keep bf16
+# parameters, activations and communication: a converted linear saves its bf16 input and
+# weight for backward, as bf16 does, and casts them, and the output gradient, to 8 bits
+# afresh for each GEMM; those casts live only while their GEMM runs.
 _PRECISIONS = {"bf16": Precision(master=4, grad=4, optimizer=8, compute=2),
+               "fp16": Precision(master=4, grad=4, optimizer=8, compute=2),
+               "fp8": Precision(master=4, grad=4, optimizer=8, compute=2, cast=1.0),
+               "mxfp8": Precision(master=4, grad=4, optimizer=8, compute=2, cast=1.0, scale=1 / 32),
                "fp32": Precision(master=4, grad=4, optimizer=8, compute=4)}
 
 
@@ -707,6 +718,11 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
             incoming += tokens * h * c - tokens * mlp_saved_per_width(model) * moe.num_shared_experts * ef * c
     else:
         ffn_grad, weight_grad = tokens * model.ffn_hidden_size / tp * c, h * model.ffn_hidden_size / tp * c
+        # fp8: the down projection's backward GEMMs take 8-bit copies of its output gradient
+        # (tokens x hidden, whole under TP), of its input (tokens x ffn/tp) and of its weight
+        # (hidden x ffn/tp), with their scales, beside the bf16 tensors.
+        ffn = model.ffn_hidden_size / tp
+        incoming += (prec.cast + prec.scale) * (tokens * h + tokens * ffn + h * ffn) if prec.cast else 0.0
     logits, loss_backward = loss_bytes(model, layout, prec)
     lse = 4 * tokens
     final_norm = tokens * SavedTotals.of(norm_saved_tensors(model, c, "final")).per_token(tp, sp) if shape.last \

@@ -45,12 +45,13 @@ class Links(NamedTuple):
     latency_s: float
 
     def ring_bandwidth(self, group: Group) -> float:
-        """Bytes/s a ring collective moves per rank. Inside a node: NVLink. Across nodes
-        every member drives its own NIC and NCCL runs a ring per NIC, so k members per
-        node get k NICs' worth (never more than NVLink)."""
+        """Bytes/s a ring collective moves per rank. Inside the scale-up domain (an HGX
+        node's 8 GPUs, an NVL72 rack's 72): NVLink or Infinity Fabric. Across domains every
+        member drives its own NIC and NCCL runs a ring per NIC, so k members per domain get
+        k NICs' worth (never more than the scale-up link)."""
         hw = self.hardware
-        gbps = hw.intra_node_gbps if group.inside_node(hw.gpus_per_node) else \
-            min(hw.intra_node_gbps, hw.inter_node_gbps * group.members_per_node(hw.gpus_per_node))
+        gbps = hw.scale_up_gbps if group.inside_node(hw.scale_up_gpus) else \
+            min(hw.scale_up_gbps, hw.scale_out_gbps * group.members_per_node(hw.scale_up_gpus))
         return gbps * 1e9 * self.bandwidth_efficiency
 
     def all_reduce(self, nbytes: float, group: Group) -> float:
@@ -65,23 +66,23 @@ class Links(NamedTuple):
         return 0.0 if n == 1 or not nbytes else (n - 1) / n * nbytes / self.ring_bandwidth(group) + self.latency_s
 
     def all_to_all(self, nbytes: float, group: Group) -> float:
-        """`nbytes` per rank spread evenly over the group: the share for peers on this
-        node goes over NVLink, the rest over this GPU's own NIC, both at once."""
+        """`nbytes` per rank spread evenly over the group: the share for peers in this
+        scale-up domain goes over NVLink, the rest over this GPU's own NIC, both at once."""
         n = group.size
         if n == 1 or not nbytes:
             return 0.0
         hw = self.hardware
-        local = group.members_per_node(hw.gpus_per_node)
+        local = group.members_per_node(hw.scale_up_gpus)
         eff = self.bandwidth_efficiency
-        return max(nbytes * (local - 1) / n / (hw.intra_node_gbps * 1e9 * eff),
-                   nbytes * (n - local) / n / (hw.inter_node_gbps * 1e9 * eff)) + self.latency_s
+        return max(nbytes * (local - 1) / n / (hw.scale_up_gbps * 1e9 * eff),
+                   nbytes * (n - local) / n / (hw.scale_out_gbps * 1e9 * eff)) + self.latency_s
 
     def p2p(self, nbytes: float, group: Group) -> float:
         """One transfer between neighbours of the group."""
         if group.size == 1 or not nbytes:
             return 0.0
         hw = self.hardware
-        gbps = hw.intra_node_gbps if group.inside_node(hw.gpus_per_node) else hw.inter_node_gbps
+        gbps = hw.scale_up_gbps if group.inside_node(hw.scale_up_gpus) else hw.scale_out_gbps
         return nbytes / (gbps * 1e9 * self.bandwidth_efficiency) + self.latency_s
 
 
@@ -131,7 +132,8 @@ class MicrobatchWork:
 
 
 def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per_s: float, compute_bytes: int,
-                     shapes: list[RankShape], groups: dict[str, Group]) -> list[MicrobatchWork]:
+                     shapes: list[RankShape], groups: dict[str, Group],
+                     linear_flops_per_s: float | None = None) -> list[MicrobatchWork]:
     """One micro-batch's work on each pipeline rank in `shapes`.
 
     FLOPs as in ModelConfig.flops_per_token (2 per multiply-add; attention scores and
@@ -142,6 +144,11 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     block's (tensor parallel leaves MoE blocks whole: every tp rank routes the whole
     sequence); under expert parallel a rank's experts get, with even routing, as many
     rows (k per token) as its own tokens send out.
+
+    `linear_flops_per_s`: the rate of the blocks' linear layers (attention projections,
+    dense MLPs), which fp8 and mxfp8 run in 8 bits (the device's fp8 / MX peak); the
+    attention core, MoE experts and router, and the head stay at `flops_per_s` (the
+    runtime converts only those linears: runtime/precision.py).
 
     Per layer: TP (+SP) two all-reduces, or two all-gathers and two reduce-scatters,
     each way (and the forward's again under full recompute); EP, per MoE layer, an
@@ -156,16 +163,18 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     # One layer's attention core, forward: a third of its FLOPs per token (model_size:
     # 6 heads (qk + v) keys, averaged over the layers, windows and MLA's head dims included).
     core = tokens * model_size.attention_flops_per_token(model) / 3 / model.num_layers / tp / flops_per_s
+    linear_rate = linear_flops_per_s or flops_per_s
 
-    def layer(mlp_params: float, mode: str) -> tuple[float, float, float]:
-        matmul = 2 * tokens * (fig.attention / tp + mlp_params) / flops_per_s
+    def layer(mlp_params: float, mode: str, moe: bool = False) -> tuple[float, float, float]:
+        mlp_rate = flops_per_s if moe else linear_rate
+        matmul = 2 * tokens * (fig.attention / tp / linear_rate + mlp_params / mlp_rate)
         recompute = {"none": 0.0, "selective": core, "op": 0.0, "full": matmul + core}[mode]
         return matmul + core, matmul + 2 * core + recompute, matmul
 
     # Under recompute_layers K only the first K layers of each stage rerun in full.
     kept_mode = "none" if layout.recompute == "full" else layout.recompute
-    dense_layer, moe_layer = layer(fig.dense_mlp / tp, layout.recompute), layer(fig.moe_active, layout.recompute)
-    dense_kept, moe_kept = layer(fig.dense_mlp / tp, kept_mode), layer(fig.moe_active, kept_mode)
+    dense_layer, moe_layer = layer(fig.dense_mlp / tp, layout.recompute), layer(fig.moe_active, layout.recompute, True)
+    dense_kept, moe_kept = layer(fig.dense_mlp / tp, kept_mode), layer(fig.moe_active, kept_mode, True)
     head = 2 * tokens * h * model.vocab_size / tp / flops_per_s
     tp_pass = tp_edge = 0.0
     if tp > 1:
@@ -226,20 +235,22 @@ class StepTime(NamedTuple):
 
 
 def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: float, device: str,
-              shapes: list[RankShape]) -> StepTime:
-    """`shapes`: what the pipeline ranks that can be the slowest hold (the first, the last)."""
+              shapes: list[RankShape], linear_flops_per_s: float | None = None) -> StepTime:
+    """`shapes`: what the pipeline ranks that can be the slowest hold (the first, the last);
+    `linear_flops_per_s`: the blocks' linear layers' rate where it differs (fp8, mxfp8)."""
     prec = precision(model, device)
     m, v = layout.grad_accum(model), stage_chunks(layout)
     groups = ParallelDims.from_layout(layout).groups()
     # The slowest rank's micro-batch does not depend on data parallel: layouts that differ
     # only in dp, dp_shard or zero share it.
     memo = model_figures(model).peaks
-    key = ("work", tuple(map(id, shapes)), links, flops_per_s, prec.compute, layout.mbs, layout.cp, layout.tp,
+    key = ("work", tuple(map(id, shapes)), links, flops_per_s, linear_flops_per_s, prec.compute, layout.mbs,
+           layout.cp, layout.tp,
            layout.sp, layout.recompute, layout.recompute_layers, layout.ep)  # shapes are memoised: one object per shape
     work = memo.get(key)
     if work is None:
-        work = memo[key] = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes, groups),
-                               key=lambda w: w.busy)
+        work = memo[key] = max(microbatch_works(model, layout, links, flops_per_s, prec.compute, shapes, groups,
+                                                linear_flops_per_s), key=lambda w: w.busy)
     compute = m * work.busy
     bubble = bubble_time(layout, work.forward / v, work.backward_input / v, work.backward_weight / v)
     comm = {dim: m * t for dim, t in work.total.items()}

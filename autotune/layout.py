@@ -186,14 +186,15 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
     if L.schedule not in SCHEDULES:
         raise UsageError(f"layout.schedule: must be one of {', '.join(SCHEDULES)}, got {L.schedule!r}")
     schedule = SCHEDULES[L.schedule]
-    # Tensor parallel: heads, kv heads, the MLP and the vocabulary split evenly; one node.
+    # Tensor parallel: heads, kv heads, the MLP and the vocabulary split evenly; one node, meaning
+    # one scale-up domain (gpus_per_node: the GPUs that share NVLink; 72 on an NVL72 rack).
     for name, size in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
                        ("ffn_hidden_size", m.ffn_hidden_size), ("vocab_size", m.vocab_size)):
         if size % L.tp:
             raise UsageError(f"layout.tp: {name} ({size}) must divide by tp ({L.tp})")
     if gpus_per_node and (L.tp > gpus_per_node or gpus_per_node % L.tp):
         raise UsageError(f"layout.tp: tp ({L.tp}) must divide gpus_per_node ({gpus_per_node}): "
-                         f"tensor parallel stays inside a node")
+                         f"tensor parallel stays inside a node (the scale-up domain of {gpus_per_node} GPUs)")
     if L.sp and L.tp == 1:
         raise UsageError("layout.sp: sequence parallel needs tp > 1")
     if L.sp and m.seq_len % (L.cp * L.tp):

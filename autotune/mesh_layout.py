@@ -52,6 +52,8 @@ class Group(NamedTuple):
     stride: int
 
     def inside_node(self, gpus_per_node: int) -> bool:
+        """Whether every copy of the group lies inside one node of `gpus_per_node` GPUs (the
+        estimator passes the scale-up domain: NVLink's reach, not a host's)."""
         span = self.size * self.stride
         return span <= gpus_per_node and gpus_per_node % span == 0
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autotune.config import HardwareConfig, ModelConfig, as_trained, model_from_dict
+from autotune.config import HardwareConfig, ModelConfig, as_trained, hardware_from_dict, model_from_dict
 from autotune.space import Space
 from autotune.trialspec import TrialSpec
 
@@ -101,7 +101,7 @@ class Question:
 
     @property
     def hardware_config(self) -> HardwareConfig:
-        return HardwareConfig(**self.hardware)
+        return hardware_from_dict(self.hardware)
 
     @property
     def space_config(self) -> Space:
@@ -113,8 +113,15 @@ class Question:
 
     @property
     def per_node(self) -> int:
-        """GPUs per node: the study's, else the hardware's, else all of them on one."""
-        return self.gpus_per_node or self.hardware.get("gpus_per_node") or self.gpus
+        """GPUs per node (host): the study's, else the hardware's, else all of them on one."""
+        return self.gpus_per_node or self.hardware_config.gpus_per_host or self.gpus
+
+    @property
+    def scale_up(self) -> int:
+        """GPUs per scale-up domain (NVLink / Infinity Fabric), what "inside a node" means in
+        the layout rules and the report: the hardware's, which `run` has already fitted to
+        --gpus-per-node (HardwareConfig.with_gpus_per_host)."""
+        return self.hardware_config.scale_up_gpus
 
     def trial_spec(self, layout: str) -> TrialSpec:
         """What the study runs for a layout (a full layout string)."""

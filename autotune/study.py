@@ -158,7 +158,7 @@ class Controller:
         self.shared = shared
         self.model = question.model_config
         self.hardware = question.hardware_config
-        self.layouts = valid_layouts(self.model, question.gpus, question.space_config, question.gpus_per_node)
+        self.layouts = valid_layouts(self.model, question.gpus, question.space_config, question.scale_up)
         self.budget_bytes = question.memory_budget_gb * GIB if question.memory_budget_gb else None
         self.sampler = make_sampler(question, self.layouts, self.scorer)
         study.sampler = self.sampler  # the sampler depends on the layouts, known only now

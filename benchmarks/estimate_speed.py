@@ -33,7 +33,7 @@ def main() -> None:
     budget = budget_bytes(hardware, None)
 
     start = time.perf_counter()
-    layouts = every_layout(model, args.gpus, hardware.gpus_per_node)
+    layouts = every_layout(model, args.gpus, hardware.scale_up_gpus)
     enumerate_s = time.perf_counter() - start
 
     walls, cpus = [], []

@@ -10,7 +10,7 @@ sequence length, precision, recompute, CPU offload, the memory it reports) and t
 layout in our layout keys (the `layout` column; published_runs.md gives the mapping).
 Each is priced in-process with `autotune.estimate.estimate` at the row's sequence
 length and global batch, against the row's memory budget (`budget_gib`, the GPU's
-memory as the driver reports it). Rows trained in fp8 are priced as bf16 (`priced_as`).
+memory as the driver reports it). Rows trained in fp8 or MXFP8 are priced in that precision (`priced_as`).
 
 Targets: at least 90% of the layouts that ran are predicted to fit; where the source
 gives memory, the prediction within 15% of it. A row with ran=0 is a layout the source
@@ -114,7 +114,7 @@ def row_model(row: dict):
 def price(row: dict):
     model = row_model(row)
     hardware = load_hardware(HARDWARE[row["hardware"]])
-    layout = resolve(row["layout"], model, int(row["gpus"]), hardware.gpus_per_node)
+    layout = resolve(row["layout"], model, int(row["gpus"]), hardware.scale_up_gpus)
     for key in CHECKED:
         if int(row[key]) != getattr(layout, key):
             raise SystemExit(f"{row['id']}: column {key}={row[key]} but the layout resolves to {getattr(layout, key)}")
@@ -156,7 +156,7 @@ def error_of(row: dict, result) -> float | None:
 def summary_lines(priced) -> tuple[list[str], bool]:
     lines, ok = [], True
     for label, subset in (("all", priced), ("bf16", [p for p in priced if precision_class(p[0]) == "bf16"]),
-                          ("fp8 (fp8, fp8-cs, mxfp8; priced as bf16)",
+                          ("fp8 (fp8, fp8-cs, mxfp8)",
                            [p for p in priced if precision_class(p[0]) == "fp8"])):
         fit, ran = fit_stats(subset)
         rate = fit / ran if ran else float("nan")
@@ -169,7 +169,7 @@ def summary_lines(priced) -> tuple[list[str], bool]:
 def error_lines(priced) -> tuple[list[str], bool]:
     lines, ok = [], True
     for label, subset in (("all", priced), ("bf16", [p for p in priced if precision_class(p[0]) == "bf16"]),
-                          ("fp8 (priced as bf16)", [p for p in priced if precision_class(p[0]) == "fp8"])):
+                          ("fp8", [p for p in priced if precision_class(p[0]) == "fp8"])):
         errors = [error_of(r, e) for r, e in subset if error_of(r, e) is not None]
         if not errors:
             continue
@@ -212,8 +212,9 @@ def reading_lines() -> list[str]:
         + "; ".join(ratios) + ". Megatron (and Transformer Engine) save the sequence-sharded input and gather "
         "it again in backward, and the fused SwiGLU keeps only its input. Mirroring our runtime, this prices "
         "Megatron's TP layouts 1.5-2x too high on activations.",
-        "- **fp8 rows priced as bf16.** Transformer Engine keeps the inputs of fp8 (and MXFP8) linears in fp8 for "
-        "the weight gradient: roughly a quarter to a third fewer saved bytes on a Llama layer than bf16. "
+        "- **fp8 activations.** The estimator prices fp8 as our runtime trains it (torchao saves the linears' bf16 "
+        "inputs and adds the 8-bit casts); Transformer Engine keeps the inputs of fp8 (and MXFP8) linears in fp8 "
+        "for the weight gradient: roughly a quarter to a third fewer saved bytes on a Llama layer than bf16. "
         "Most Megatron rows are fp8; their bf16 layouts on the same GPUs are larger "
         "(e.g. the H100 Llama 3 70B bf16 recipe uses TP4 PP4 CP2 where fp8 uses TP4 PP8).",
         "- **Gradients.** Megatron-Bridge's perf recipes reduce and keep gradients in bf16; our runtime keeps an "
@@ -343,9 +344,8 @@ def write_report(priced, path: Path = OUT) -> bool:
           "matmul output, so it over-counts these rows a little); `full` = `recompute=full`.",
           "- **torchtitan PP micro-batches**: the default count is the number of stages (pp, or 2 pp for looped "
           "schedules, which default to 2 stages per rank), so mbs = local batch / micro-batches.",
-          "- **Precision**: fp8 rows (torchtitan Float8, Megatron FP8 current scaling, MXFP8) are priced as bf16 "
-          "(`priced_as`); fp8 keeps bf16 weights and fp32 masters, and saves some activations in fp8, so the bf16 "
-          "price is an upper bound on those terms.",
+          "- **Precision**: fp8 rows (torchtitan Float8, Megatron FP8 current scaling) are priced as `fp8`, MXFP8 "
+          "rows as `mxfp8` (`priced_as`): bf16 weights, fp32 masters, the 8-bit casts of each linear's backward.",
           "- **Models**: Llama 3.1 8B/70B/405B have Llama 3's shapes (only the RoPE scaling differs), so the "
           "`llama3-*` presets price them; Llama 2 and Qwen3-235B-A22B are in `published_models/` with their "
           "sources; Qwen3-30B-A3B is the preset.", "",

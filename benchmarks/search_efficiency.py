@@ -130,7 +130,7 @@ def launches_until(trials: list, target: float) -> int | None:
 
 def run_scenario(scenario: Scenario, seeds: int, cap: int, tpe_cap: int) -> dict:
     model, space, hardware = scenario.model_config(), load_space(scenario.space), load_hardware("h100-sxm")
-    layouts = valid_layouts(model, scenario.gpus, space, hardware.gpus_per_node)
+    layouts = valid_layouts(model, scenario.gpus, space, hardware.scale_up_gpus)
     fits = {str(layout) for layout in layouts if estimate(model, layout, hardware, hardware.memory_gb * GIB,
                                                           device="cuda").fits}
     max_comm = space.options.get("max_comm_fraction", 0.30)
@@ -149,7 +149,7 @@ def run_scenario(scenario: Scenario, seeds: int, cap: int, tpe_cap: int) -> dict
             question = Question(
                 model=dataclasses.asdict(model), gpus=scenario.gpus, space=dataclasses.asdict(space),
                 hardware=dataclasses.asdict(hardware), sampler=sampler, max_comm_fraction=max_comm,
-                memory_budget_gb=hardware.memory_gb, device="cuda", seed=seed, gpus_per_node=hardware.gpus_per_node)
+                memory_budget_gb=hardware.memory_gb, device="cuda", seed=seed, gpus_per_node=hardware.gpus_per_host)
             start = time.perf_counter()
             n, trials = replay.trials_to_target(question, target, tpe_cap if sampler == "tpe" else cap)
             walls[sampler] += time.perf_counter() - start

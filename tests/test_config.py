@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from autotune.config import hardware_for_device_name, load_hardware, load_model, model_presets
+from autotune.config import hardware_for_device_name, load_hardware, load_model, model_presets, trained_dtype
 from autotune.errors import UsageError
 
 
@@ -51,7 +51,9 @@ def test_derived_defaults(tmp_path):
     ("vocab_size: lots", "vocab_size: must be int, got str 'lots'"),
     ("num_kv_heads: 3", "num_kv_heads: must divide num_heads (4), got 3"),
     ("colour: blue", "colour: unknown field"),
-    ("dtype: fp8", "dtype: must be one of bf16, fp32, got 'fp8'"),
+    ("dtype: nvfp4", "dtype: nvfp4 is a precision autotune does not train (it trains bf16, fp16, fp32, fp8, mxfp8)$"),
+    ("dtype: bf17", "dtype: must be one of bf16, fp16, fp32, fp8, mxfp8"),
+    ("dtype: 16", "dtype: must be str, got int 16"),
     ("moe: {num_experts: 4, top_k: 8, expert_ffn_hidden_size: 8}", "moe.top_k: must be <= moe.num_experts (4), got 8"),
     ("moe: {num_experts: 4, top_k: 1}", "moe.expert_ffn_hidden_size: missing required field"),
     ("moe: {num_experts: 4, top_k: 1, expert_ffn_hidden_size: 8, layers: [0, 9]}", "moe.layers: each entry"),
@@ -61,6 +63,17 @@ def test_validation_names_the_field_and_the_rule(tmp_path, edit, message):
     text = "\n".join(line for line in TINY.splitlines() if not line.startswith(key + ":")) + "\n" + edit
     with pytest.raises(UsageError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         load_model(write(tmp_path, "t.yaml", text))
+
+
+@pytest.mark.parametrize("written, canonical", [
+    ("bf16", "bf16"), ("bfloat16", "bf16"), ("BF16", "bf16"), ("float16", "fp16"), ("half", "fp16"),
+    ("float32", "fp32"), ("fp32", "fp32"), ("fp8", "fp8"), ("fp8_e4m3", "fp8"), ("float8_e4m3fn", "fp8"),
+    ("fp8-e4m3", "fp8"), ("mxfp8", "mxfp8"), ("MXFP8", "mxfp8"),
+])
+def test_dtype_spellings_load(tmp_path, written, canonical):
+    text = "\n".join(line for line in TINY.splitlines() if not line.startswith("dtype:")) + f"\ndtype: {written}"
+    assert load_model(write(tmp_path, "t.yaml", text)).dtype == canonical
+    assert trained_dtype(load_model("tiny"), "cpu", written) == canonical  # --dtype reads the same words
 
 
 def test_missing_field(tmp_path):
@@ -149,13 +162,15 @@ def test_flops_per_token_by_hand():
 
 def test_hardware_presets_and_custom(tmp_path):
     h100 = load_hardware("h100-sxm")
-    assert (h100.peak_tflops, h100.memory_gb, h100.gpus_per_node) == (989, 80, 8)
+    assert (h100.peak_tflops, h100.memory_gb, h100.gpus_per_host, h100.scale_up_gpus) == (989, 80, 8, 8)
     assert hardware_for_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     assert hardware_for_device_name("NVIDIA GeForce RTX 4090") is None
     custom = load_hardware(write(tmp_path, "mine.yaml", "peak_tflops: 100\nmemory_gb: 24\ngpus_per_node: 4\n"
                                                           "intra_node_gbps: 32\ninter_node_gbps: 12.5\n"))
-    assert custom.name == "mine" and custom.inter_node_gbps == 12.5
-    with pytest.raises(UsageError, match="^gpus_per_node: must be a positive integer"):
+    # The names of a file written before scale-up domains: the domain is the host.
+    assert custom.name == "mine" and custom.scale_out_gbps == 12.5 and custom.scale_up_gpus == 4
+    assert custom.matmul_tflops("fp8") == 100  # no table: every precision at peak_tflops
+    with pytest.raises(UsageError, match="^gpus_per_host: must be a positive integer"):
         load_hardware(write(tmp_path, "bad.yaml", "peak_tflops: 1\nmemory_gb: 1\ngpus_per_node: 0\n"
                                                    "intra_node_gbps: 1\ninter_node_gbps: 1\n"))
 

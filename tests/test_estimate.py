@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from autotune.cli import main
-from autotune.config import load_hardware, load_model
+from autotune.config import as_trained, load_hardware, load_model
+from autotune.errors import UsageError
 from autotune.estimate import (
     GIB,
     Calibration,
@@ -26,6 +27,7 @@ from autotune.estimate_memory import (
     SavedTotals,
     chunks_in_flight,
     peak_points,
+    pipeline_shapes,
     rank_memory,
     rank_shape,
     saved_bytes_per_token,
@@ -37,7 +39,7 @@ TINY = load_model("tiny")
 LLAMA_70B = load_model("llama3-70b")
 H100 = load_hardware("h100-sxm")
 # Links so fast that communication vanishes, for the pure pipeline formulas.
-INSTANT_LINKS = dataclasses.replace(H100, intra_node_gbps=1e12, inter_node_gbps=1e12)
+INSTANT_LINKS = dataclasses.replace(H100, scale_up_gbps=1e12, scale_out_gbps=1e12)
 NO_LATENCY = Calibration(latency_s=0.0)
 
 
@@ -325,7 +327,7 @@ def test_all_to_all_volume_of_expert_parallel():
     sends (ep-1)/ep of its bytes over NVLink inside a node. Sequence parallel does not
     shrink them: MoE blocks see whole sequences."""
     mixtral = load_model("mixtral-8x7b")
-    links = H100.intra_node_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency
+    links = H100.scale_up_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency
     for text, gpus in (("ep=8,mbs=1", 8), ("ep=4,tp=2,sp=1,mbs=1", 8)):
         layout = resolve(text, mixtral, gpus, 8)
         e = estimate(mixtral, layout, H100, calibration=NO_LATENCY)
@@ -353,10 +355,10 @@ def test_a_group_across_nodes_gets_its_members_nics():
     """TP 8 on nodes of 4 GPUs: the ring crosses nodes with 4 members (4 NICs) per node,
     so TP communication slows by NVLink / (4 x NIC) bandwidth."""
     layout = resolve("tp=8,dp=8", LLAMA_70B, 64)
-    small_nodes = dataclasses.replace(H100, gpus_per_node=4)
+    small_nodes = H100.with_gpus_per_host(4)
     inside = estimate(LLAMA_70B, layout, H100, calibration=NO_LATENCY)
     across = estimate(LLAMA_70B, layout, small_nodes, calibration=NO_LATENCY)
-    ratio = H100.intra_node_gbps / (4 * H100.inter_node_gbps)
+    ratio = H100.scale_up_gbps / (4 * H100.scale_out_gbps)
     assert across.comm_s["tp"] / inside.comm_s["tp"] == pytest.approx(ratio)
     assert across.step_time_s > inside.step_time_s
 
@@ -369,7 +371,7 @@ def test_context_parallel_ring_volume_and_what_it_hides():
     compute hides every hop but the last dK/dV one per layer; at 8k it hides less."""
     long = dataclasses.replace(LLAMA_70B, seq_len=32768, global_batch_size=128)
     kv_bytes = long.seq_len / 4 * 2 * long.num_kv_heads * long.head_dim / 8 * 2  # seq/cp tokens, kv/tp heads, bf16
-    hop_s = kv_bytes / (H100.inter_node_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency)
+    hop_s = kv_bytes / (H100.scale_out_gbps * 1e9 * NO_LATENCY.bandwidth_efficiency)
     layers_x_microbatches = long.num_layers * long.global_batch_size
 
     def ring(model, recompute):
@@ -515,3 +517,46 @@ def test_output_into_a_closed_pipe_exits_quietly():
         proc.stdout.close()  # the reader leaves long before the output ends
         assert proc.wait(timeout=120) == 1
         assert proc.stderr.read() == b""
+
+
+# -- precisions ---------------------------------------------------------------------------------------
+
+def test_fp8_prices_the_linears_at_the_fp8_peak_and_reports_mfu_against_bf16():
+    """fp8 on an H100: the blocks' linears at the fp8 peak (twice bf16's) times the 8-bit
+    efficiency, the attention core and the head at bf16's; memory as bf16 but for the 8-bit
+    casts a backward GEMM holds; MFU over the bf16 peak, so it rises with the speed."""
+    model = load_model("llama3-8b")
+    layout = resolve("dp=8,zero=1,recompute=selective", model, 8, 8)
+    bf16 = estimate(model, layout, H100, device="cuda", dtype="bf16", calibration=NO_LATENCY)
+    fp8 = estimate(model, layout, H100, device="cuda", dtype="fp8", calibration=NO_LATENCY)
+    fp16 = estimate(model, layout, H100, device="cuda", dtype="fp16", calibration=NO_LATENCY)
+    assert fp16.step_time_s == bf16.step_time_s and fp16.peak_mem_bytes == bf16.peak_mem_bytes
+    assert 1.05 < bf16.step_time_s / fp8.step_time_s < 1.3  # the range published fp8 speedups fall in
+    assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s)
+    assert fp8.peak_mem_bytes >= bf16.peak_mem_bytes
+    # With the 8-bit GEMMs as efficient as bf16's, the linears take exactly half the time.
+    even = dataclasses.replace(NO_LATENCY, linear_8bit_efficiency=1.0)
+    flat = estimate(model, layout, H100, device="cuda", dtype="fp8", calibration=even)
+    assert flat.step_time_s < fp8.step_time_s
+
+
+def test_fp8_casts_are_held_by_the_layer_backward():
+    model = load_model("llama3-8b")
+    layout = resolve("dp=8,pp=2,zero=1", model, 16, 8)
+    shape = pipeline_shapes(model, layout)[0]  # the first stage: no head, its peak is a layer's backward
+    trained = {d: as_trained(model, "cuda", d) for d in ("bf16", "fp8", "mxfp8")}
+    held = {d: rank_memory(m, layout, "cuda", shape)["layer_backward"]["temporaries"] for d, m in trained.items()}
+    tokens, h, ffn = layout.mbs * model.seq_len, model.hidden_size, model.ffn_hidden_size
+    casts = tokens * h + tokens * ffn + h * ffn
+    assert held["fp8"] - held["bf16"] == pytest.approx(casts)
+    assert held["mxfp8"] - held["bf16"] == pytest.approx(casts * (1 + 1 / 32))
+
+
+def test_a_device_without_the_precision_refuses():
+    layout = resolve("dp=8", TINY, 8, 8)
+    with pytest.raises(UsageError, match=r"^dtype: a100-80gb has no fp8"):
+        estimate(TINY, layout, load_hardware("a100-80gb"), device="cuda", dtype="fp8")
+    with pytest.raises(UsageError, match=r"^dtype: h100-sxm has no mxfp8"):
+        estimate(TINY, layout, H100, device="cuda", dtype="mxfp8")
+    # The CPU preset has no table: it prices memory, and time once --peak-tflops is given.
+    assert estimate(TINY, layout, load_hardware("cpu"), device="cpu", dtype="fp8").peak_mem_bytes > 0

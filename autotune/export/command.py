@@ -36,11 +36,11 @@ def cmd_export(args) -> int:
 
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
-    layout = resolve(args.layout, model, args.gpus, hardware.gpus_per_node)
+    layout = resolve(args.layout, model, args.gpus, hardware.scale_up_gpus)  # TP inside the scale-up domain
     device = "cpu" if hardware.name == "cpu" else "cuda"
     question = Question(model=dataclasses.asdict(model), gpus=args.gpus, space={},
                         hardware=dataclasses.asdict(hardware), device=device,
-                        memory_budget_gb=hardware.memory_gb or None, gpus_per_node=hardware.gpus_per_node)
+                        memory_budget_gb=hardware.memory_gb or None, gpus_per_node=hardware.gpus_per_host)
     out = Path(args.out)
     written = write_best(out, question, {"layout": str(layout)})
     print(f"{model.name} on {args.gpus} GPUs, {layout.short()} -> " + ", ".join(str(p) for p in written),

@@ -115,25 +115,25 @@ def choices(table: pd.DataFrame, best: pd.Series) -> list[Choice]:
 
 def rules(question: Question, table: pd.DataFrame, best: pd.Series) -> list[Rule]:
     model = question.model
-    per_node = question.per_node
+    per_node = question.scale_up  # "a node" in these rules: the scale-up domain (NVL72: 72 GPUs)
     gpus = question.gpus
     out = []
     tp, pp, cp, ep, dp = (int(best[k]) for k in ("tp", "pp", "cp", "ep", "dp"))
 
     # Communication volume, largest first: TP > EP > CP > PP > DP; the costliest inside a node.
     if tp > 1 and per_node:
-        nodes = f"{gpus // per_node} nodes" if gpus and gpus > per_node else "one node"
+        nodes = f"{gpus // per_node} domains" if gpus and gpus > per_node else "one domain"
         out.append(Rule("confirms", "Tensor parallel inside a node",
-                        f"TP={tp} within a node of {per_node} GPUs ({nodes} in all): TP's all-reduces, the "
-                        f"largest communication volume, stay on the intra-node links."))
+                        f"TP={tp} within a scale-up domain of {per_node} GPUs ({nodes} in all): TP's "
+                        f"all-reduces, the largest communication volume, stay on NVLink / Infinity Fabric."))
     if ep > 1 and per_node:
         span = ep * tp  # mesh (pp, dp_replicate, dp_shard, cp, tp): EP ranks sit tp apart
         inside = span <= per_node
         out.append(Rule("confirms" if inside else "breaks", "Expert all-to-all inside a node",
                         f"EP={ep}: an expert group spans about {span} consecutive ranks, "
-                        + ("inside a node of %d GPUs, as practitioners prefer." % per_node if inside else
-                           "more than a node of %d GPUs: the all-to-all crosses nodes, and still this layout "
-                           "measured fastest." % per_node)))
+                        + ("inside a scale-up domain of %d GPUs, as practitioners prefer." % per_node if inside
+                           else "more than a scale-up domain of %d GPUs: the all-to-all crosses the scale-out "
+                           "network, and still this layout measured fastest." % per_node)))
 
     # The pipeline bubble: (p-1)/(m+p-1) for GPipe and 1F1B; interleaving divides it by vpp.
     if pp > 1 and present(best["grad_accum"]):

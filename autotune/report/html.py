@@ -81,12 +81,13 @@ def question_html(q: Question, table: pd.DataFrame) -> str:
     if moe:
         model_items.append(("MoE", e(f"{moe.get('num_experts')} experts, top-{moe.get('top_k')}")))
     hw_items = [
-        ("GPUs", e(f"{q.gpus} ({q.device}), {q.per_node} per node")),
+        ("GPUs", e(f"{q.gpus} ({q.device}), {q.per_node} per node, {q.scale_up} per scale-up domain")),
         ("hardware", e(str(hw.get("name", "?")))),
         ("peak", e(f"{hw.get('peak_tflops')} TFLOP/s per device" if hw.get("peak_tflops") else
                    "measured on the CPU")),
         ("memory", e(f"{hw.get('memory_gb')} GB per device" if hw.get("memory_gb") else "no device limit")),
-        ("links", e(f"{hw.get('intra_node_gbps')} GB/s in a node, {hw.get('inter_node_gbps')} GB/s across")),
+        ("links", e(f"{q.hardware_config.scale_up_gbps} GB/s in the scale-up domain, "
+                    f"{q.hardware_config.scale_out_gbps} GB/s across")),
     ]
     values = space.get("values") or {}
     search_items = [

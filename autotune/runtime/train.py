@@ -73,12 +73,14 @@ class Trainer:
     """Forward, backward and optimizer step of a model that is not pipelined. `dp` is its
     data parallel (parallel/dp.py): it reduces the gradients and owns the optimizer."""
 
-    def __init__(self, model: nn.Module, dp, shard_batch=None, max_grad_norm: float | None = None):
+    def __init__(self, model: nn.Module, dp, shard_batch=None, max_grad_norm: float | None = None,
+                 loss_scaler=None):
         self.model = model
         self.dp = dp
         self.optimizer = dp.optimizer
         self.shard_batch = shard_batch  # (inputs, labels) -> this rank's part, under context parallel
         self.max_grad_norm = max_grad_norm
+        self.loss_scaler = loss_scaler  # fp16: runtime/precision.LossScaler
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Train on this rank's micro-batches; returns the rank's share of the loss,
@@ -90,10 +92,13 @@ class Trainer:
                 inputs, labels = self.shard_batch(inputs, labels)
             self.dp.before_microbatch(last=i == len(batches) - 1)
             loss = cross_entropy(self.model(inputs), labels) / len(batches)
-            loss.backward()
+            (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
             total += loss.detach()
         total += end_step(self.model, total.device)
         self.dp.finish_backward()
+        if self.loss_scaler is not None and not self.loss_scaler.unscale_and_check(self.dp):
+            self.dp.discard_gradients()  # an overflow: skip this step, at a halved scale
+            return total
         clip(self.dp, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -34,6 +34,7 @@ from autotune.runtime.mesh import mesh_for
 from autotune.runtime.parallel.ep import token_imbalance
 from autotune.runtime.parallelize import build_trainer
 from autotune.runtime.peak_flops import peak_flops
+from autotune.runtime.precision import EIGHT_BIT, compute_dtype, emulated
 from autotune.runtime.profiling import StepProfiler, StepTimer
 from autotune.runtime.torch_compat import track_cpu_allocations
 from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, die_with_parent
@@ -68,12 +69,6 @@ def memory_budget(spec: TrialSpec, device: torch.device) -> int | None:
         budget = budget or capacity
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / capacity), device)
     return budget
-
-
-def compute_dtype(cfg: ModelConfig) -> torch.dtype:
-    """The dtype the calibration GEMM runs in: the one the trial computes in (the spec's
-    model carries the trained precision: config.as_trained)."""
-    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
 def run(spec: TrialSpec, keep: dict | None = None) -> dict:
@@ -134,6 +129,9 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
         "steps": spec.steps,
         "warmup": spec.warmup,
         "losses": losses,
+        "dtype": cfg.dtype,
+        # fp8 / mxfp8: whether torchao emulated the 8-bit GEMMs (no fp8 tensor cores here).
+        "precision_emulated": emulated(device) if cfg.dtype in EIGHT_BIT else None,
         **measurements(cfg, layout.world_size, per_rank, flops_source),
         "memory_budget_bytes": budget,
         "torch_version": torch.__version__,

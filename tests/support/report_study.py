@@ -39,7 +39,7 @@ def question(model: str, gpus: int, space: str, hardware: str, model_name: str |
     return {"model": m, "gpus": gpus, "space": dataclasses.asdict(s), "hardware": dataclasses.asdict(hw),
             "objective": "tokens_per_s", "sampler": "model", "max_comm_fraction": 0.30,
             "memory_budget_gb": float(hw.memory_gb), "device": "cuda", "steps": 5, "warmup": 2, "seed": 0,
-            "gpus_per_node": hw.gpus_per_node, "launcher": "local", "trials": 24, "time_budget_s": None,
+            "gpus_per_node": hw.gpus_per_host, "launcher": "local", "trials": 24, "time_budget_s": None,
             "peak_tflops": None}
 
 

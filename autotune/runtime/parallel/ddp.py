@@ -268,6 +268,11 @@ class DataParallel:
         for group in self.groups:
             group.grads.mul_(factor)
 
+    def discard_gradients(self) -> None:
+        """A skipped step (fp16 overflow): zero the buffers the optimizer would have read."""
+        for group in self.groups:
+            group.grads.zero_()
+
     # -- the optimizer step ----------------------------------------------------------------------
     def _attach_gradients(self) -> None:
         """Each master's gradient is its view of the flat buffer (zero_grad may have unset it)."""

@@ -13,10 +13,11 @@ the number of ranks that shard state, dp_shard x cp (dp x cp without HSDP).
           forward and       each micro-batch
           again at backward
 
-Mixed precision (bf16): zero 0/1 keep the parameters in bf16 and fp32 masters in the
-optimizer (ddp.py); zero 2/3 keep fp32 sharded parameters (the masters) and compute in
-bf16 copies FSDP2 gathers unit by unit (`MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)`). fp32 trains in fp32 everywhere.
+Mixed precision (bf16; fp16, fp8 and mxfp8 alike, runtime/precision.py): zero 0/1 keep the
+parameters in the compute dtype and fp32 masters in the optimizer (ddp.py); zero 2/3 keep
+fp32 sharded parameters (the masters) and compute in copies FSDP2 gathers unit by unit
+(`MixedPrecisionPolicy(param_dtype=bf16 or fp16, reduce_dtype=fp32)`). fp32 trains in fp32
+everywhere.
 
 HSDP (dp_shard < dp, zero >= 1): state is sharded over dp_shard x cp and replicated over
 dp_replicate. zero 2/3 use fully_shard on the 2-D (dp_replicate, dp_shard_cp) mesh
@@ -52,19 +53,8 @@ from autotune.runtime.mesh import Meshes
 from autotune.runtime.moe import moe_layers
 from autotune.runtime.parallel.ddp import DataParallel
 from autotune.runtime.parallel.ep import divide_expert_gradients
+from autotune.runtime.precision import compute_dtype, mixed_precision_policy
 from autotune.runtime.train import grad_norm
-
-
-def mixed_precision_policy(cfg: ModelConfig) -> MixedPrecisionPolicy | None:
-    """FSDP2's bf16 compute with fp32 reduction and master weights, for a model that trains in
-    bf16 (its dtype is the trained one: config.as_trained); None for fp32."""
-    if cfg.dtype == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return None
-
-
-def compute_dtype(cfg: ModelConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
 def apply_fully_sharded(model: nn.Module, mesh: Meshes, layout: Layout, cfg: ModelConfig) -> None:
@@ -117,6 +107,10 @@ class FullySharded:
             for param in part.parameters():
                 if param.grad is not None:
                     param.grad.mul_(factor)
+
+    def discard_gradients(self) -> None:
+        """A skipped step (fp16 overflow): drop the gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def build_data_parallel(parts: list[nn.Module], mesh: Meshes, layout: Layout, cfg: ModelConfig,
