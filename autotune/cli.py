@@ -153,9 +153,12 @@ def build_parser() -> Parser:
     p.add_argument("--space", default="default",
                    help="search space: a YAML file or a name in search_spaces/ (default: default)")
     p.add_argument("--trials", type=positive_int, default=None,
-                   help="launch at most this many trials (default: until every layout is measured)")
+                   help="launch at most this many trials (default: until more trials are not expected to pay: "
+                        "the stopping rule, README)")
     p.add_argument("--time-budget", type=positive_float, default=None, metavar="S",
                    help="start no trial after S seconds (default: none)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="with no --trials or --time-budget, measure every layout instead of stopping by the rule")
     p.add_argument("--out", default=None, help="results folder (default results/<model>-<gpus>gpus)")
     p.add_argument("--storage", default=None,
                    help="where the study lives: sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB or "
@@ -259,7 +262,8 @@ def cmd_run(args) -> int:
         warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
         gpus_per_node=args.gpus_per_node or hardware.gpus_per_host, launcher=args.launcher,
         trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops,
-        trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat, dtype=args.dtype)
+        trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat, dtype=args.dtype,
+        exhaustive=args.exhaustive)
     Launcher(question.launcher, question.gpus_per_node, args.hosts).check(args.gpus)  # before the study exists
     out = Path(args.out or f"results/{model.name}-{args.gpus}gpus")
     return run_sweep(question, out, storage=args.storage, study_name=args.study_name, hosts=args.hosts)

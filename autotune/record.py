@@ -73,6 +73,7 @@ class Question:
     trial_timeout_s: float | None = None  # None: from the estimate, with a floor
     heartbeat_s: int = 60  # shared storages: every worker beats this often; stale after 4 beats missed
     dtype: str | None = None  # --dtype; None: the model's on CUDA, fp32 on the CPU (config.trained_dtype)
+    exhaustive: bool = False  # --exhaustive: no stopping rule (stopping.py) without a budget
 
     @classmethod
     def from_dict(cls, stored: dict) -> "Question":

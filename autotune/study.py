@@ -37,6 +37,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from autotune import stopping
 from autotune.config import GIB
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, calibrate, estimate
@@ -84,6 +85,7 @@ class Tally:
     best: dict | None = None
     last: dict | None = None
     started: float = field(default_factory=time.monotonic)
+    stopped: str | None = None  # why the sweep stopped, when it did by itself
 
 
 def open_study(question: Question, out: Path, storage: str | None, study_name: str | None) -> optuna.Study:
@@ -210,7 +212,7 @@ class Controller:
         self.recount()
         deadline = None if self.q.time_budget_s is None else time.monotonic() + self.q.time_budget_s
         told_waiting = False
-        while deadline is None or time.monotonic() < deadline:
+        while not self.out_of_time(deadline):
             self.claim.acquire()
             try:
                 if self.shared:
@@ -226,6 +228,7 @@ class Controller:
             running = [t.number for t in trials if t.state == TrialState.RUNNING]
             if not (self.shared and running):
                 break
+            self.tally.stopped = None  # trials elsewhere may still change it
             if self.progress and not told_waiting:
                 self.progress.console.print(f"waiting: nothing left to start while trials {running} run elsewhere "
                                             f"(a trial whose worker dies is retried here)", highlight=False)
@@ -233,14 +236,48 @@ class Controller:
             time.sleep(min(self.q.heartbeat_s, 10))
         return self.tally
 
+    def out_of_time(self, deadline: float | None) -> bool:
+        if deadline is None or time.monotonic() < deadline:
+            return False
+        self.tally.stopped = f"--time-budget {self.q.time_budget_s:g} s spent"
+        return True
+
     def can_start(self, trials: list) -> bool:
-        """A retry is queued, or an untaken layout is left and the launch budget is not spent."""
+        """A retry is queued, or an untaken layout is left, the launch budget is not spent
+        and, with no budget at all, the stopping rule (stopping.py) does not say stop."""
         if any(t.state == TrialState.WAITING for t in trials):
             return True
         taken = {t.user_attrs["layout"] for t in trials if holds_layout(t)}
-        if all(str(layout) in taken for layout in self.layouts):
+        untaken = [layout for layout in self.layouts if str(layout) not in taken]
+        if not untaken:
+            self.tally.stopped = "every layout of the space is taken"
             return False
-        return self.q.trials is None or self.launches(trials) < self.q.trials
+        if self.q.trials is not None:
+            if self.launches(trials) < self.q.trials:
+                return True
+            self.tally.stopped = f"--trials {self.q.trials} launched"
+            return False
+        if self.q.time_budget_s is not None or self.q.exhaustive:
+            return True
+        self.tally.stopped = self.stop_reason(trials, untaken)
+        return self.tally.stopped is None
+
+    def stop_reason(self, trials: list, untaken: list[Layout]) -> str | None:
+        """The stopping rule on this study: launched trials in order, and the calibrated
+        estimator's figure for each untaken layout predicted to fit."""
+        launched = sorted((t for t in trials if counts_as_launch(t) and t.user_attrs.get("status")),
+                          key=lambda t: t.number)
+        values = [t.value if t.state == TrialState.COMPLETE else None for t in launched]
+        if stopping.trials_since_improvement(values)[1] < stopping.PATIENCE:
+            return None  # cheap test first: the estimator is consulted only when it may stop
+        calibration = self.calibration()
+        predictions = []
+        for layout in untaken:
+            e = self.predict(layout, calibration)
+            value = e.mfu if self.q.objective == "mfu" else e.tokens_per_s
+            if e.fits:
+                predictions.append(value if math.isfinite(value) else -math.inf)
+        return stopping.stop_reason(values, predictions)
 
     @staticmethod
     def launches(trials: list) -> int:
@@ -420,11 +457,16 @@ def sweep(controller: Controller, title: str, resume_hint: str, console=None) ->
                 interrupted = True
     finally:
         controller.claim.close()
+    stopped = None if interrupted else controller.tally.stopped
+    if stopped:
+        controller.study.set_user_attr("stopped", stopped)  # the report says it too
     frame = write_reports(controller.study, out)  # trials.csv, report.html, best/
     console.print(summary_table(frame, q.objective))
     if interrupted:
         console.print(f"interrupted: {out / 'trials.csv'} is written; {resume_hint}")
         return 130
+    if stopped:
+        console.print(f"stopped: {stopped}")
     best = controller.tally.best
     if best:
         console.print(f"best: {best.get('layout_short')}  ({best['value']:,.4g} {q.objective})")

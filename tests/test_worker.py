@@ -75,7 +75,8 @@ def outcomes_by_layout(trials):
 def race(url, tmp_path, env):
     """`run` and `worker` started together on one study; their exit codes and the trials."""
     env = {"FAKE_CHOOSE_S": "0.2", **env}
-    first = start(["run", *QUICK_4, "--storage", url, "--study-name", "s", "--heartbeat", "2"], tmp_path / "a", env)
+    first = start(["run", *QUICK_4, "--exhaustive", "--storage", url, "--study-name", "s", "--heartbeat", "2"],
+                  tmp_path / "a", env)
     assert wait_for(lambda: load(url), 60), Path(f"{tmp_path / 'a'}.log").read_text()
     second = start(["worker", "--storage", url, "--study-name", "s"], tmp_path / "b", env)
     codes = [first.wait(timeout=180), second.wait(timeout=180)]
@@ -106,8 +107,8 @@ def test_a_dead_workers_trial_is_retried_by_another(shared_storage, tmp_path):
     the second waits (the trial still beats), the first is SIGKILLed, and once its trial
     goes stale the second fails it, runs it again and exits."""
     url = shared_storage
-    doomed = start(["run", *QUICK_4, "--storage", url, "--study-name", "s", "--heartbeat", "2"], tmp_path / "a",
-                   {"FAKE_TRIAL_HANG": "1"})
+    doomed = start(["run", *QUICK_4, "--exhaustive", "--storage", url, "--study-name", "s", "--heartbeat", "2"],
+                   tmp_path / "a", {"FAKE_TRIAL_HANG": "1"})
 
     def running():
         return [t for t in load(url) if t.state == TrialState.RUNNING and "layout" in t.user_attrs]
@@ -207,8 +208,8 @@ def test_real_sweep_two_workers_one_killed_mid_trial(postgres_db, tmp_path):
     url = with_password(postgres_db[1], PASSWORD)
     encoded = url.split("://", 1)[1].split("@")[0].split(":", 1)[1]
     common = ["--storage", url, "--study-name", "e2e"]
-    main = start(["run", "--model", "tiny", "--gpus", "2", "--space", "quick", "--steps", "1", "--warmup", "0",
-                  "--heartbeat", "2", *common], tmp_path / "a", script=None)
+    main = start(["run", "--model", "tiny", "--gpus", "2", "--space", "quick", "--exhaustive", "--steps", "1",
+                  "--warmup", "0", "--heartbeat", "2", *common], tmp_path / "a", script=None)
     plain = postgres_db[1]
     assert wait_for(lambda: load(plain, "e2e"), 90), Path(f"{tmp_path / 'a'}.log").read_text()
     # The helper's trials sleep 10 s: it is killed inside one it started moments before.

@@ -39,7 +39,7 @@ def render_report(study: optuna.Study, question: Question, table: pd.DataFrame) 
     body = "\n".join([
         f"<header><h1>{e(title)}</h1><p class='sub'>study {e(study.study_name)} · report written "
         f"{dt.datetime.now().strftime('%Y-%m-%d %H:%M')}</p></header>",
-        section("question", "The question", question_html(question, table)),
+        section("question", "The question", question_html(question, table, study.user_attrs.get("stopped"))),
         section("answer", "The answer", answer_html(question, result)),
         section("ranking", "Ranking of the measured layouts", ranking_html(result)),
         section("charts", "Charts", "\n".join(chart_html(chart) for chart in figures)),
@@ -63,7 +63,7 @@ def definition_list(items: list[tuple[str, str]]) -> str:
 
 
 # -- the question ---------------------------------------------------------------------------
-def question_html(q: Question, table: pd.DataFrame) -> str:
+def question_html(q: Question, table: pd.DataFrame, stopped: str | None = None) -> str:
     m, hw, space = q.model, q.hardware, q.space
     try:
         config = model_from_dict(m)
@@ -100,7 +100,9 @@ def question_html(q: Question, table: pd.DataFrame) -> str:
     durations = table["duration_s"].dropna()
     budget = q.memory_budget_gb
     budget_items = [
-        ("trials", e(f"{q.trials} launches at most" if q.trials else "until every layout is measured")),
+        ("trials", e(f"{q.trials} launches at most" if q.trials else "every layout (--exhaustive)" if q.exhaustive
+                     else "until more trials are not expected to pay (the stopping rule)")),
+        ("stopped", e(stopped or "–")),
         ("time", e(f"{q.time_budget_s:,.0f} s" if q.time_budget_s else "no limit")),
         ("memory budget", e(f"{budget:g} GiB per GPU" if budget else "none")),
         ("max exposed comm", e(f"{q.max_comm_fraction:.0%} of the step")),
