@@ -176,7 +176,9 @@ def test_export_command_writes_best(tmp_path, capsys):
         assert (out / name).exists() != (name == "deepspeed.json"), name  # DeepSpeed has no pipeline config
     readme = (out / "README.md").read_text()
     assert "not measured" in readme and "| megatron_args.sh | Megatron-LM settings |" in readme
-    assert (out / "layout.txt").read_text().startswith("tp=2,pp=2,cp=1,ep=1,dp=4,dp_shard=4,zero=1")
+    layout_txt = (out / "layout.txt").read_text()
+    assert layout_txt.startswith("tp=2,pp=2,cp=1,ep=1,dp=4,dp_shard=4,zero=1")
+    assert "the layout given to `autotune export`" in layout_txt and "recommends" not in layout_txt
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -18,13 +18,15 @@ def trial_command(q: Question, layout: str, model_path: str) -> str:
             f"--steps {spec.steps} --warmup {spec.warmup} --seed {spec.seed} --layout \"{layout}\"")
 
 
-def runtime(t: Target, question: Question) -> tuple[str, str]:
-    """layout.txt and torchrun.sh."""
+def runtime(t: Target, question: Question, recommended: bool = True) -> tuple[str, str]:
+    """layout.txt and torchrun.sh (`recommended`: the layout a sweep measured best, else
+    one `autotune export` was given)."""
     L, q = t.layout, question
     spec = q.trial_spec(str(L))
     trial = trial_command(q, str(L), "model.yaml")
     nodes = t.nodes
-    layout_txt = (f"{L}\n# {L.short()}: the layout autotune recommends for {t.model.name} on {t.gpus} GPUs.\n"
+    what = "the layout autotune recommends" if recommended else "the layout given to `autotune export`"
+    layout_txt = (f"{L}\n# {L.short()}: {what} for {t.model.name} on {t.gpus} GPUs.\n"
                   f"# Measure it again (from this folder"
                   + (", on one node" if nodes == 1 else f"; it spans {nodes} nodes: see torchrun.sh") + "):\n"
                   f"#   {trial}\n")

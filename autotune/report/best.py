@@ -39,7 +39,7 @@ def write_best(folder: Path, question: Question, best) -> list[Path]:
     for name in FILES:  # a previous report's files, e.g. a DeepSpeed config that no longer applies
         (folder / name).unlink(missing_ok=True)
     t = target(question, best["layout"])
-    layout_txt, torchrun = runtime(t, question)
+    layout_txt, torchrun = runtime(t, question, recommended=best.get("trial") is not None)
     written = {"layout.txt": layout_txt, "torchrun.sh": torchrun,
                "model.yaml": yaml.safe_dump(question.model, sort_keys=False)}
     translations = exports(question, best["layout"])

@@ -152,9 +152,10 @@ def answer_html(q: Question, result: Answer) -> str:
         "<h3>Use it</h3><p>Measure it again with our runtime, from this report's folder:</p>"
         f"<pre>{e(command)}</pre><p><code>best/</code> holds the same layout for other frameworks: "
         "<a href='best/README.md'>README.md</a> · <a href='best/torchrun.sh'>torchrun.sh</a> · "
-        "<a href='best/megatron_args.sh'>megatron_args.sh</a> · <a href='best/torchtitan.sh'>torchtitan.sh</a>"
-        " · <a href='best/deepspeed.json'>deepspeed.json</a> (where it applies); each says which settings map "
-        "exactly and which have no equivalent there.</p>")
+        "<a href='best/torchtitan.sh'>torchtitan.sh</a> · <a href='best/megatron_args.sh'>megatron_args.sh</a>"
+        " · <a href='best/deepspeed.json'>deepspeed.json</a> (these two where the framework can run the layout: "
+        "best/README.md says why one is missing); each says which settings map exactly and which have no "
+        "equivalent there.</p>")
     return "\n".join(parts)
 
 
