@@ -2,10 +2,16 @@
 
 In a terminal, one panel redrawn in place (rich Live); in a log file, one line per
 event, so an overnight log reads top to bottom.
+
+The estimate of time left: layouts left x the share of outcomes so far that were
+launched (a layout pruned before launch costs nothing) x the mean wall time of a
+launched trial, capped by what is left of --trials and --time-budget. It is an upper
+bound when the stopping rule may end the sweep sooner.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pandas as pd
@@ -37,6 +43,8 @@ class Progress:
         self.started = time.monotonic()
         self.running: str | None = None
         self.tally = None
+        self.trial_started_at: float | None = None
+        self.trial_durations: list[float] = []  # wall time of each launched trial
         self.live = Live(self.render(), console=self.console, refresh_per_second=2,
                          transient=False) if self.console.is_terminal else None
 
@@ -54,6 +62,7 @@ class Progress:
 
     def trial_started(self, number: int, layout_short: str) -> None:
         self.running = f"#{number}: {layout_short}"
+        self.trial_started_at = time.monotonic()
         if self.live:
             self.live.update(self.render())
         else:
@@ -61,6 +70,9 @@ class Progress:
 
     def trial_finished(self, tally) -> None:
         self.tally = tally
+        if self.trial_started_at is not None:  # launched (a layout pruned before launch never starts)
+            self.trial_durations.append(time.monotonic() - self.trial_started_at)
+            self.trial_started_at = None
         self.running = None
         if self.live:
             self.live.update(self.render())
@@ -69,7 +81,24 @@ class Progress:
         outcome = last.get("status", "?") + (f"/{last['reason']}" if last.get("reason") else "")
         figure = f" {last[self.objective]:,.4g} {self.objective}" if last.get(self.objective) else ""
         self.console.print(f"[{duration(time.monotonic() - self.started)}]   -> {outcome}{figure}"
-                           + (f"  ({last['error']})" if last.get("error") else ""), highlight=False)
+                           + (f"  ({last['error']})" if last.get("error") else "") + f"  [{self.remaining()}]",
+                           highlight=False)
+
+    def remaining(self) -> str:
+        """'N done, M left, ETA at most T' (module docstring), or the counts alone before a
+        launched trial has finished."""
+        t = self.tally
+        done = t.complete + t.pruned + t.failed if t else 0
+        left = max(0, self.total_layouts - done)
+        if self.trials is not None and t is not None:
+            left = min(left, max(0, self.trials - t.launched))
+        text = f"{done} done, {left} left"
+        if not self.trial_durations or not done or t is None:
+            return text
+        seconds = left * min(1.0, t.launched / done) * statistics.mean(self.trial_durations)
+        if self.time_budget_s:
+            seconds = min(seconds, max(0.0, self.time_budget_s - (time.monotonic() - self.started)))
+        return f"{text}, ETA at most {duration(seconds)}"
 
     def render(self) -> Panel:
         t = self.tally
@@ -77,6 +106,7 @@ class Progress:
         if t is not None:
             lines.append(Text(f"trials: {t.complete} complete · {t.pruned} pruned · {t.failed} failed "
                               f"· {t.launched} launched of {self.trials or 'all'}"))
+            lines.append(Text(self.remaining(), style="dim"))
             if t.best:
                 lines.append(Text(f"best: {t.best['value']:,.4g} {self.objective}  {t.best.get('layout_short', '')}",
                                   style="green"))
