@@ -7,8 +7,12 @@ layout is never measured twice and an invalid combination is never proposed:
 
     grid    the space in nested order (tp outermost, as NeMo's configurator loops)
     random  uniformly among the untaken layouts
-    tpe     Optuna's multivariate TPE; a proposal that is invalid or taken is drawn
-            again, and after a few misses a random untaken layout is used
+    tpe     Optuna's multivariate TPE over the keys that are free: dp follows from
+            tp, pp and cp, and a drawn combination is folded onto the layout it runs
+            as (keys that change nothing reset, vpp what the schedule runs, dp_shard
+            = dp where the drawn value does not divide dp); a proposal that is still
+            invalid or taken is drawn again, and after a few misses a random untaken
+            layout is used
     model   the estimator's ranking, re-fitted to the measured trials before every
             proposal (the default): the layout predicted fastest among those
             predicted to fit, then the rest
@@ -25,6 +29,7 @@ from optuna.trial import FrozenTrial
 
 from autotune.layout import KEYS, Layout
 from autotune.record import holds_layout
+from autotune.schedules import SCHEDULES
 
 TPE_ATTEMPTS = 16
 
@@ -92,15 +97,35 @@ class TpeSampler(LayoutSampler):
     def __init__(self, layouts: list[Layout], seed: int = 0):
         super().__init__(layouts, seed)
         self.tpe = TPESampler(multivariate=True, seed=seed, n_startup_trials=5)
+        self.free = {key: d for key, d in self.distributions.items() if key != "dp"}  # dp = gpus / (tp pp cp)
+        self.draws = self.valid_draws = 0  # TPE's proposals, and those that folded onto a layout of the space
 
     def choose(self, study, trial, candidates):
         allowed = {self.params_key(layout): layout for layout in candidates}
+        valid = {self.params_key(layout) for layout in self.layouts}
         for _ in range(TPE_ATTEMPTS):
-            params = self.tpe.sample_relative(study, trial, dict(self.distributions))
-            layout = allowed.get(tuple(params.get(k) for k in self.distributions))
-            if layout is not None:
-                return layout
+            params = self.tpe.sample_relative(study, trial, self.free)
+            key = self.params_key(folded) if (folded := self.fold(params)) is not None else None
+            self.draws += 1
+            self.valid_draws += key in valid
+            if key in allowed:
+                return allowed[key]
         return self.rng.choice(candidates)
+
+    def fold(self, params: dict) -> Layout | None:
+        """The layout a drawn combination runs as, or None where tp pp cp do not divide the GPUs."""
+        values = {key: params.get(key, getattr(self.layouts[0], key)) for key in KEYS}
+        model_parallel = values["tp"] * values["pp"] * values["cp"]
+        gpus = self.layouts[0].world_size
+        if gpus % model_parallel:
+            return None
+        values["dp"] = gpus // model_parallel
+        if values["dp"] % values["dp_shard"]:
+            values["dp_shard"] = values["dp"]
+        placement = SCHEDULES[values["schedule"]].placement
+        if placement != "looped":
+            values["vpp"] = 2 if placement == "v" else 1
+        return Layout(**values).canonical()
 
     def params_key(self, layout: Layout) -> tuple:
         return tuple(getattr(layout, k) for k in self.distributions)
