@@ -75,8 +75,8 @@ CASES = [
     (4, "u1", "dp=4,zero=1,mbs=2"), (4, "u1", "dp=4,dp_shard=2,zero=3"), (4, "u2", "dp=4,zero=2"),
     (4, "u1", "tp=2,dp=2,zero=1"), (4, "u1", "tp=2,sp=1,pp=2,schedule=1f1b"),
     (4, "u1", "pp=2,dp=2,zero=1,schedule=interleaved_1f1b,vpp=2"), (4, "ul", "cp=2,tp=2"),
-    (4, "ul", "cp=2,dp=2,zero=2"), (4, "u1", "pp=4,schedule=1f1b"), (4, "um", "ep=2,dp=2,zero=1"),
-    (4, "um", "ep=4,tp=2,sp=1"), (4, "um", "pp=2,ep=2,schedule=1f1b"),
+    (4, "ul", "cp=2,dp=2,zero=2"), (4, "u1", "pp=4,schedule=1f1b"), (4, "um", "ep=2,zero=1"),
+    (4, "um", "ep=2,tp=2,sp=1"), (4, "um", "pp=2,ep=2,schedule=1f1b"),
 ]
 # One layout per dimension, measured --repeats times.
 REPEATED = [(2, "u1", "dp=2,zero=0,mbs=2"), (2, "u1", "dp=2,zero=1"), (2, "u1", "dp=2,zero=2,mbs=2"),
