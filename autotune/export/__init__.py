@@ -76,6 +76,18 @@ def target(question: Question, layout_text: str) -> Target:
     return Target(Layout(**parse_layout(layout_text)), question.model_config, question.gpus, question.per_node)
 
 
+def flag_lines(args: list[str]) -> list[list[str]]:
+    """Group a flat argument list into one line per flag with its values (the scripts'
+    bash arrays read one flag a line)."""
+    lines: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not lines:
+            lines.append([arg])
+        else:
+            lines[-1].append(arg)
+    return lines
+
+
 def comment_block(maps: list[Mapping], prefix: str = "# ") -> list[str]:
     lines = []
     for status, title in (("exact", "Maps exactly"), ("approximate", "Approximately (the nearest is written)"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shlex
 
-from autotune.export import Export, Mapping, Target, comment_block
+from autotune.export import Export, Mapping, Target, comment_block, flag_lines
 from autotune.export.megatron_pipeline import pipeline_flags
 
 
@@ -158,12 +158,3 @@ def script(t: Target, maps: list[Mapping], args: list[str], env: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def flag_lines(args: list[str]) -> list[list[str]]:
-    """Group a flat argument list into one line per flag with its values."""
-    lines: list[list[str]] = []
-    for arg in args:
-        if arg.startswith("--") or not lines:
-            lines.append([arg])
-        else:
-            lines[-1].append(arg)
-    return lines

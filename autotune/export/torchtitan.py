@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shlex
 
-from autotune.export import Export, Mapping, Target, comment_block
+from autotune.export import Export, Mapping, Target, comment_block, flag_lines
 from autotune.schedules import SCHEDULES
 
 # Our presets that torchtitan 0.3.0 has a config function for: (module, config).
@@ -163,16 +163,8 @@ def script(t: Target, maps: list[Mapping], args: list[str]) -> str:
              "#   ./torchtitan.sh --training.steps 1000", "#", *comment_block(maps), "",
              "set -euo pipefail", "TORCHTITAN_ARGS=("]
     *options, mode = args  # the activation-checkpoint subcommand comes last, after any extra options
-    lines += [f"  {' '.join(map(shlex.quote, line))}" for line in arg_lines(options)]
+    lines += [f"  {' '.join(map(shlex.quote, line))}" for line in flag_lines(options)]
     lines += [")", f"exec {launch} -m torchtitan.train \"${{TORCHTITAN_ARGS[@]}}\" \"$@\" {mode}", ""]
     return "\n".join(lines)
 
 
-def arg_lines(args: list[str]) -> list[list[str]]:
-    lines: list[list[str]] = []
-    for arg in args:
-        if arg.startswith("--") or not lines:
-            lines.append([arg])
-        else:
-            lines[-1].append(arg)
-    return lines
