@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/estimator_accuracy.py              # fp32 and bf16, five repeats
     .venv/bin/python benchmarks/estimator_accuracy.py --dtype bf16 --repeats 1
+    .venv/bin/python benchmarks/estimator_accuracy.py --log OUTPUT  # reuse the peaks a run printed
     .venv/bin/python benchmarks/estimator_accuracy.py --sweeps DIR [DIR ...]
 
 Each case is measured as a user measures it: `autotune trial --json` in its own
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -107,26 +109,42 @@ def trial(folder: Path, ranks: int, model: str, layout: str, dtype: str) -> dict
 
 def predicted(ranks: int, model: str, layout: str, dtype: str):
     cfg = model_from_dict({**MODELS[model], "dtype": dtype})
-    return estimate(cfg, resolve(layout, cfg, ranks), load_hardware("cpu"), device="cpu")
+    return estimate(cfg, resolve(layout, cfg, ranks), load_hardware("cpu"), device="cpu", dtype=dtype)
 
 
-def main(dtypes: list[str], repeats: int) -> int:
+def logged_peaks(log: Path | None) -> dict[tuple, list[int]]:
+    """Measured peaks a previous run printed ({(dtype, ranks, model, layout short): [peak,
+    repeats...]}), so an interrupted or partly wrong run need not measure them again."""
+    found: dict[tuple, list[int]] = {}
+    last = None
+    for line in (log.read_text().splitlines() if log else []):
+        if match := re.match(r"(fp32|bf16) (\d+) (\S+) (.+?)\s+predicted\s+[\d,.]+ measured\s+([\d,]+) error", line):
+            last = (match[1], int(match[2]), match[3], match[4].strip())
+            found[last] = [int(match[5].replace(",", ""))]
+        elif (match := re.match(r"\s+repeats \[([\d, ]+)\]", line)) and last:
+            found[last] = [int(p) for p in match[1].split(",")]
+    return found
+
+
+def main(dtypes: list[str], repeats: int, log: Path | None = None) -> int:
     from results_section import machine, today
 
     rows, spreads = [], []
+    known = logged_peaks(log)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for dtype in dtypes:
             for ranks, model, layout in CASES:
-                measured = trial(folder, ranks, model, layout, dtype)
                 guess = predicted(ranks, model, layout, dtype)
+                logged = known.get((dtype, ranks, model, guess.layout.short()))
+                measured = {"peak_mem_bytes": logged[0]} if logged else trial(folder, ranks, model, layout, dtype)
                 error = guess.peak_mem_bytes / measured["peak_mem_bytes"] - 1
                 rows.append((dtype, ranks, model, guess, measured, error))
                 print(f"{dtype} {ranks} {model} {guess.layout.short():40s} predicted {guess.peak_mem_bytes:>12,.0f} "
                       f"measured {measured['peak_mem_bytes']:>12,} error {error:+.2%}", flush=True)
                 if (ranks, model, layout) in REPEATED and repeats > 1 and dtype == dtypes[0]:
-                    peaks = [measured["peak_mem_bytes"]] + [trial(folder, ranks, model, layout, dtype)["peak_mem_bytes"]
-                                                            for _ in range(repeats - 1)]
+                    peaks = logged if logged and len(logged) == repeats else [measured["peak_mem_bytes"]] + [
+                        trial(folder, ranks, model, layout, dtype)["peak_mem_bytes"] for _ in range(repeats - 1)]
                     spreads.append((dtype, ranks, model, guess.layout.short(), peaks))
                     print(f"    repeats {peaks}: spread {max(peaks) / min(peaks) - 1:.3%}", flush=True)
 
@@ -263,5 +281,7 @@ if __name__ == "__main__":
     parser.add_argument("--sweeps", nargs="+", metavar="DIR", help="read these sweeps' trials.csv; run nothing")
     parser.add_argument("--dtype", action="append", choices=["fp32", "bf16"], help="default: both")
     parser.add_argument("--repeats", type=int, default=5, help="trials of each REPEATED layout (default 5)")
+    parser.add_argument("--log", type=Path, help="a previous run's output: reuse the peaks it measured")
     args = parser.parse_args()
-    sys.exit(sweep_accuracy(args.sweeps) if args.sweeps else main(args.dtype or ["fp32", "bf16"], args.repeats))
+    sys.exit(sweep_accuracy(args.sweeps) if args.sweeps else main(args.dtype or ["fp32", "bf16"], args.repeats,
+                                                                   args.log))
