@@ -8,6 +8,7 @@ from pathlib import Path
 
 import optuna
 
+from autotune import stopping
 from autotune import study as study_module
 from autotune.config import load_hardware, load_model
 from autotune.record import Question
@@ -80,6 +81,8 @@ def controller(tmp_path, monkeypatch, **question):
 
 
 def test_with_no_budget_the_sweep_stops_by_the_rule(tmp_path, monkeypatch):
+    monkeypatch.setattr(stopping, "PATIENCE", 5)  # the mechanism, at constants this small space can show
+    monkeypatch.setattr(stopping, "MARGIN", 0.10)
     c, launched = controller(tmp_path, monkeypatch)
     tally = c.run()
     assert tally.stopped.startswith("5 launched trials in a row without improving the best by 1%")
