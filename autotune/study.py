@@ -270,14 +270,8 @@ class Controller:
         values = [t.value if t.state == TrialState.COMPLETE else None for t in launched]
         if stopping.trials_since_improvement(values)[1] < stopping.PATIENCE:
             return None  # cheap test first: the estimator is consulted only when it may stop
-        calibration = self.calibration()
-        predictions = []
-        for layout in untaken:
-            e = self.predict(layout, calibration)
-            value = e.mfu if self.q.objective == "mfu" else e.tokens_per_s
-            if e.fits:
-                predictions.append(value if math.isfinite(value) else -math.inf)
-        return stopping.stop_reason(values, predictions)
+        score = self.scorer(self.study)  # the model sampler's (fits, predicted objective)
+        return stopping.stop_reason(values, [value for fits, value in map(score, untaken) if fits])
 
     @staticmethod
     def launches(trials: list) -> int:
