@@ -102,10 +102,10 @@ class Saved:
     """One tensor autograd keeps for the backward pass, counted per token.
 
     `split` says how tensor parallel divides it: "tp" always (heads, MLP columns);
-    "sp" only with sequence parallel (the residual stream and norms); "full" never
-    (the all-gathered input that a column-parallel linear saves under torch's
-    sequence parallel). `core` marks the attention core (split by tp: it works on
-    heads), which selective recompute drops.
+    "sp" only with sequence parallel (the residual stream, norms and their outputs);
+    "full" never (what every tp rank computes whole: MoE blocks, MLA's latents).
+    `core` marks the attention core (split by tp: it works on heads), which selective
+    recompute drops.
     """
 
     name: str
@@ -117,12 +117,13 @@ class Saved:
 
 def norm_saved_tensors(model: ModelConfig, compute: int, where: str) -> list[Saved]:
     """RMSNorm (autotune_kernels.norm) saves its input and one fp32 root per token; its
-    output is the input the following linears save, all-gathered first under sequence
-    parallel (torch's SequenceParallel), so that one is never split."""
+    output is the input the following linears save. Under sequence parallel they read
+    it all-gathered, but keep only the rank's sequence shard of it for backward and
+    gather it again there (runtime/parallel/sp_saved.py, as Megatron-LM does)."""
     h = model.hidden_size
     return [Saved(f"{where} norm input", h, compute, "sp"),
             Saved(f"{where} norm rstd", 1, 4, "sp"),
-            Saved(f"{where} norm output", h, compute, "full")]
+            Saved(f"{where} norm output", h, compute, "sp")]
 
 
 def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_parallel: bool = False) -> list[Saved]:

@@ -1,6 +1,7 @@
 """Apply the layout's parallel dimensions to the plain model, in one documented order.
 
     meta-device model -> pipeline stages -> TP(+SP) -> EP -> CP -> activation checkpointing
+    -> SP's shard-saving hooks (outside no checkpoint: parallel/sp_saved.py)
     -> FSDP (zero 2/3) -> to_empty -> deterministic init -> data parallel (zero 0/1) and the optimizer
 
 (torchtitan's order: TP changes parameter shapes before FSDP shards them; CP swaps
@@ -25,6 +26,7 @@ from autotune.runtime.parallel.dp import apply_fully_sharded, build_data_paralle
 from autotune.runtime.parallel.ep import apply_expert_parallel
 from autotune.runtime.parallel.pp import PipelineTrainer, build_schedule, split_stages
 from autotune.runtime.parallel.recompute import apply_recompute
+from autotune.runtime.parallel.sp_saved import save_sequence_shards
 from autotune.runtime.parallel.tp import apply_tensor_parallel
 from autotune.runtime.precision import LossScaler, convert_to_eight_bit
 from autotune.runtime.train import Trainer
@@ -42,6 +44,8 @@ def parallelize_stage(stage: nn.Module, layout: Layout, mesh: Meshes, cfg: Model
     if mesh.dims.cp_enabled:
         apply_context_parallel(stage, mesh["cp"], stage.cfg.seq_len)
     apply_recompute(stage, layout.recompute, layout.recompute_layers)
+    if mesh.dims.tp_enabled and layout.sp:
+        save_sequence_shards(stage, mesh["tp"], layout.recompute, layout.recompute_layers)
     apply_fully_sharded(stage, mesh, layout, cfg)
 
 

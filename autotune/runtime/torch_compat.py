@@ -62,6 +62,14 @@ def resolve_process_group(group):
     return _resolve_process_group(group)
 
 
+# -- DTensor --------------------------------------------------------------------------------------
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor under a DTensor (itself for a plain tensor), without the autograd
+    edge `to_local()` adds: saved-tensor hooks (parallel/sp_saved.py) compare storages."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 # -- pipelining --------------------------------------------------------------------------------
 
 class LeanPipelineStage(PipelineStage):
