@@ -608,20 +608,21 @@ def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape:
     as a function of (chunks in flight, postponed weight steps).
 
     Outputs: a stage keeps its output (which nothing on the stage saves) until the
-    micro-batch's backward. torch's lowered schedules also keep every tensor they send,
-    activations forward and gradients backward, until the step ends; by the rank's last
-    peak it has sent all of a step's micro-batches but the backwards of those still in
-    flight: m * (stages sending across + stages fed across) - chunks * (fed across) / v.
+    micro-batch's backward; a lowered schedule's send of it is freed then too. The
+    gradients a lowered schedule sends backward live until a later message proves them
+    arrived (runtime/parallel/pp_sends.py): at most the schedule's gradients_held of
+    them, at most m per stage fed across (the count is the most over the step, priced
+    at every peak).
     Inputs: a received activation is the stage's input, the tensor its first layer's norm
     saves (counted there); receive buffers live only while a micro-batch is handed over
     (torch_compat.LeanPipelineStage). Split backwards keep, per postponed weight step,
     the output gradients of the stage's weighted ops (weight_output_grads)."""
     m, v = layout.grad_accum(model), stage_chunks(layout)
     boundary = boundary_bytes(model, layout, prec)
-    if SCHEDULES[layout.schedule].lowered:
-        held, per_chunk = m * (shape.sending_across + shape.receiving_across), -shape.receiving_across / v
-    else:
-        held, per_chunk = 0.0, shape.sending_across / v
+    schedule = SCHEDULES[layout.schedule]
+    held, per_chunk = 0.0, shape.sending_across / v
+    if schedule.lowered and shape.receiving_across:
+        held = min(schedule.gradients_held(layout.pp, shape.rank), m * shape.receiving_across)
     postponed_bytes = layout.mbs * model.seq_len / layout.cp * shape.postponed_elements * prec.compute
     return lambda chunks, postponed: boundary * (held + chunks * per_chunk) + postponed * postponed_bytes
 

@@ -60,6 +60,12 @@ class Schedule:
       the two counts over its action list); a postponed weight step is a (stage,
       micro-batch), not of the first stage, whose input step ran and weight step not.
     microbatch_rule(pp, m): why torch's constructor refuses m micro-batches, or None.
+    gradients_held(pp, rank): for a lowered schedule, the most input gradients a rank has
+      sent and not yet freed: the runtime frees a send once a later message proves it
+      arrived (runtime/parallel/pp_sends.py), which for a gradient sent backward comes a
+      few actions later. Counted from torch's action lists at m >= pp
+      (tests/test_pipeline_sends.py); the activations a rank sends are its stage outputs,
+      freed with them at their backward.
     """
 
     name: str
@@ -69,10 +75,12 @@ class Schedule:
     placement: str  # single | looped | v
     split_backward: bool  # the backward is an input step and a later weight step
     lowered: bool  # torch runs it on its lowered runtime, which waits for its sends when the step ends
+    # (the runtime waits them earlier: gradients_held)
     in_flight: Callable[[int, int, int, int], int]
     bubble: Callable[[float, float, float], float]
     microbatch_rule: Callable[[int, int], str | None] = _any
     postponed: Callable[[int, int, int, int, int], list[tuple[int, int]]] | None = None
+    gradients_held: Callable[[int, int], int] | None = None
 
     @property
     def v_shape(self) -> bool:
@@ -126,20 +134,23 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              False, True,
              in_flight=lambda pp, m, v, rank: min((v - 1) * _round(pp, m) + 2 * (pp - 1 - rank) + 1, m * v),
              bubble=lambda f, b, w: f + b + w,  # per chunk: (p-1)/(v*m+p-1) of the step
-             microbatch_rule=_whole_rounds),
+             microbatch_rule=_whole_rounds,
+             gradients_held=lambda pp, rank: pp if rank == 0 else max(pp, 2 * (pp - rank) + 1)),
     # ZB-H1 interleaved: the weight steps lag, so every rank holds as many chunks.
     Schedule("zero_bubble", "ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", "interleaved_1f1b",
              "looped", True, True,
              in_flight=lambda pp, m, v, rank: min((v - 1) * _round(pp, m) + pp, m * v),
              bubble=lambda f, b, w: f + b - w,
              microbatch_rule=_whole_rounds,
-             postponed=lambda pp, m, v, rank, chunks: [(chunks, min(rank + 1, m * v))]),  # defers by its rank
+             postponed=lambda pp, m, v, rank, chunks: [(chunks, min(rank + 1, m * v))],  # defers by its rank
+             gradients_held=lambda pp, rank: pp),
     # ZB-V. With pp < m < 2 pp - 1 it also passes (2, 2) or (3, 3), never the heavier moment.
     Schedule("zbv", "ScheduleZBVZeroBubble", "ZBVZeroBubble", "interleaved_1f1b", "v", True, True,
              in_flight=lambda pp, m, v, rank: min(2 * pp, m + 1 + rank, 2 * m),
              bubble=lambda f, b, w: f + b - 2 * w,
              postponed=lambda pp, m, v, rank, chunks: [(chunks, 1)] + (
-                 [(pp + rank, 2 * rank + 1)] if m >= 2 * pp - 1 and rank else [])),
+                 [(pp + rank, 2 * rank + 1)] if m >= 2 * pp - 1 and rank else []),
+             gradients_held=lambda pp, rank: 2 if rank == 0 else pp - rank + 1),
     # DualPipeV's F&B overlaps a forward with a backward to hide communication, not
     # compute, so it costs F + B_full: (pp-1)(F&B + B_full - 3W) = (pp-1)(F + 2B - W).
     Schedule("dualpipev", "ScheduleDualPipeV", "DualPipeV", "interleaved_1f1b", "v", True, True,
@@ -147,7 +158,8 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              bubble=lambda f, b, w: f + 2 * b - w,
              microbatch_rule=_at_least(2, "2*pp", " (one per stage)"),
              postponed=lambda pp, m, v, rank, chunks: [(2 * pp + 1, 0), (2 * pp, 1)] + (
-                 [(pp, rank + 1)] if rank else [])),
+                 [(pp, rank + 1)] if rank else []),
+             gradients_held=lambda pp, rank: 2 if rank == 0 else pp - rank + 1),
 )}
 DEFAULT_SCHEDULE = "1f1b"
 NAMES = tuple(SCHEDULES)

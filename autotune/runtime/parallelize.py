@@ -82,6 +82,6 @@ def build_trainer(cfg: ModelConfig, layout: Layout, mesh: Meshes, device: torch.
         raise ValueError("fp16 under pipeline parallel: the loss scaler is not wired into torch's schedules "
                          "yet; train bf16 there")
     pp_group = mesh["pp"].get_group()
-    schedule = build_schedule(parts, layout, layout.grad_accum(cfg), pp_group, device, dp)
+    schedule, releaser = build_schedule(parts, layout, layout.grad_accum(cfg), pp_group, device, dp)
     return PipelineTrainer(parts, schedule, dp, stage_count(layout), pp_group, shard_batch,
-                           max_grad_norm=spec.max_grad_norm)
+                           max_grad_norm=spec.max_grad_norm, releaser=releaser)

@@ -6,6 +6,7 @@ and nothing else. Each entry says what it is for.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -15,7 +16,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: F401 (recompute)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: F401 (DTensor owns no storage)
 
 try:  # the profiler's event-tree node kinds (allocation records)
@@ -129,6 +130,29 @@ class LeanPipelineStage(PipelineStage):
         grads = super()._retrieve_recv_grads(bwd_chunk_id)
         _release(self.grad_recv_info[bwd_chunk_id])
         return grads
+
+
+# What parallel/pp_sends.py reads of a lowered schedule's actions: their kind, by torch's names.
+PIPELINE_ACTIONS = {schedules.FORWARD: "F", schedules.FULL_BACKWARD: "B", schedules.BACKWARD_INPUT: "B",
+                    schedules.SEND_F: "SEND_F", schedules.SEND_B: "SEND_B"}
+
+
+@contextlib.contextmanager
+def capturing_pipeline_posts(posted):
+    """While the block runs, `posted(ops, works)` sees every batch of P2P ops torch's
+    schedules post and the works they return (the lists the schedule keeps to wait)."""
+    original = schedules._batch_p2p
+
+    def batch_p2p(ops, *args, **kwargs):
+        works = original(ops, *args, **kwargs)
+        posted(ops, works)
+        return works
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
 
 
 _NO_BUFFER = {}  # (dtype, device) -> an empty tensor standing in for a receive buffer not allocated

@@ -32,6 +32,7 @@ schedules also gather each stage's parameters explicitly before its first action
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -43,7 +44,8 @@ from autotune.config import ModelConfig
 from autotune.layout import Layout
 from autotune.runtime.model import Transformer
 from autotune.runtime.moe import discard_step, end_step, set_aux_loss_scale
-from autotune.runtime.torch_compat import LeanPipelineStage
+from autotune.runtime.parallel.pp_sends import SendReleaser
+from autotune.runtime.torch_compat import LeanPipelineStage, capturing_pipeline_posts
 from autotune.runtime.train import clip, cross_entropy
 from autotune.schedules import SCHEDULES
 from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
@@ -87,6 +89,7 @@ class Stage(LeanPipelineStage):
     input: NaN); they go when torch cleans up after the inference."""
 
     gradients = None  # zero 0/1's data parallel (ddp.py), set once it exists: it takes `.grad` into its buffer
+    releaser: SendReleaser | None = None  # a lowered schedule's early waits for sends (pp_sends.py)
 
     def after_metadata_inference(self) -> None:
         discard_step(self.submod)
@@ -95,19 +98,46 @@ class Stage(LeanPipelineStage):
         if self.gradients is not None:
             self.gradients.fold_gradients()
 
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        if self.releaser is not None:
+            self.releaser.sending("F", self.stage_index, fwd_chunk_id)
+        return super().get_fwd_send_ops(fwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        if self.releaser is not None:
+            self.releaser.sending("B", self.stage_index, bwd_chunk_id)
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if self.releaser is not None:  # called once the activation has been received
+            self.releaser.consuming("F", self.stage_index, fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        if self.releaser is not None:  # called once the gradient has been received
+            self.releaser.consuming("B", self.stage_index, bwd_chunk_id)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
 
 def build_schedule(parts: dict[int, nn.Module], layout: Layout, microbatches: int,
                    pp_group: dist.ProcessGroup, device: torch.device, dp=None):
-    """torch's schedule for `layout.schedule` over this rank's stages; `dp`, the data
-    parallel, takes the gradients a split backward's weight steps write."""
+    """(torch's schedule for `layout.schedule` over this rank's stages, its SendReleaser or
+    None); `dp`, the data parallel, takes the gradients a split backward's weight steps
+    write. A lowered schedule's sends are freed once they have arrived (pp_sends.py)."""
     stages = [Stage(part, stage_id, stage_count(layout), device, group=pp_group)
               for stage_id, part in sorted(parts.items())]
     for stage in stages:
         stage.gradients = dp if hasattr(dp, "fold_gradients") else None
     schedule = SCHEDULES[layout.schedule]
     schedule_class = getattr(schedules, schedule.torch_class)
-    return schedule_class(stages if schedule.multi_stage else stages[0], n_microbatches=microbatches,
-                          loss_fn=ScaledLoss(microbatches), scale_grads=False)
+    built = schedule_class(stages if schedule.multi_stage else stages[0], n_microbatches=microbatches,
+                           loss_fn=ScaledLoss(microbatches), scale_grads=False)
+    if not schedule.lowered:
+        return built, None
+    releaser = SendReleaser(built.pipeline_order_with_comms, built.stage_index_to_group_rank, dist.get_rank(pp_group))
+    for stage in stages:
+        stage.releaser = releaser
+    return built, releaser
 
 
 class PipelineTrainer:
@@ -115,9 +145,10 @@ class PipelineTrainer:
     step's micro-batches, then clipping and the optimizer step."""
 
     def __init__(self, parts: dict[int, nn.Module], schedule, dp, num_stages: int, pp_group: dist.ProcessGroup,
-                 shard_batch=None, max_grad_norm: float | None = None):
+                 shard_batch=None, max_grad_norm: float | None = None, releaser: SendReleaser | None = None):
         self.model = [part for _, part in sorted(parts.items())]  # this rank's stages
         self.schedule = schedule
+        self.releaser = releaser
         self.dp = dp  # its data parallel (parallel/dp.py): reduces the gradients, owns the optimizer
         self.optimizer = dp.optimizer
         self.pp_group = pp_group
@@ -135,8 +166,12 @@ class PipelineTrainer:
         inputs = torch.cat([x for x, _ in batches])  # the schedule cuts it back into the same micro-batches
         labels = torch.cat([y for _, y in batches])
         losses: list[torch.Tensor] = []
-        self.schedule.step(*((inputs,) if self.holds_inputs else ()), target=labels if self.holds_loss else None,
-                           losses=losses, return_outputs=False)
+        releaser = self.releaser
+        with capturing_pipeline_posts(releaser.posted) if releaser else contextlib.nullcontext():
+            self.schedule.step(*((inputs,) if self.holds_inputs else ()), target=labels if self.holds_loss else None,
+                               losses=losses, return_outputs=False)
+        if releaser:
+            releaser.end_step()
         self.dp.finish_backward()  # zero 0/1 reduce after the schedule, as FSDP's do there
         clip(self.dp, self.max_grad_norm, self.pp_group)
         self.optimizer.step()
