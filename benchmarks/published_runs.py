@@ -287,13 +287,13 @@ def write_report(priced, path: Path = OUT) -> bool:
     if refused:
         L += ["", "## Layouts that ran but are priced out", "",
               "What dominates each. The last column is arithmetic on the estimator's own terms, not a re-estimate: "
-              "the peak less the pipeline buffers (our runtime's lowered torch schedules keep every send until the "
-              "step ends, m x the stage boundaries; Megatron frees a send once it completes) and less half the "
-              "gradients (our fp32 gradient buffer; Megatron-Bridge's perf recipes keep bf16 gradients).", "",
+              "the peak less half the gradients (our fp32 gradient buffer; Megatron-Bridge's perf recipes keep bf16 "
+              "gradients). Pipeline sends are freed once they have arrived, as Megatron frees them "
+              "(runtime/parallel/pp_sends.py), so `pipeline_buffers` is the stage outputs and a few gradients.", "",
               "| id | model | layout | precision | micro-batches | budget | predicted | activations | pipeline_buffers "
-              "| grads | peak - pipeline_buffers - grads/2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| grads | peak - grads/2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, e in refused:
-            rest = e.peak_mem_bytes - e.memory["pipeline_buffers"] - e.memory["grads"] / 2
+            rest = e.peak_mem_bytes - e.memory["grads"] / 2
             budget = float(r["budget_gib"]) * GIB
             L.append(f"| {r['id']} | {r['model']} | `{r['layout']}` | {r['precision']} | {e.grad_accum} | "
                      f"{r['budget_gib']} | {gib(e.peak_mem_bytes)} | {gib(e.memory['activations'])} | "
