@@ -132,7 +132,8 @@ def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_para
     Attention: RoPE saves only its cos/sin tables (counted per layer, not per token);
     fused SDPA saves q and k after RoPE, v, its output and the fp32 log-sum-exp, never
     seq x seq scores; its output, laid out (batch, seq, heads, dim), is wo's input as it
-    is. SwiGLU saves gate, silu(gate), up and their product. An MoE block saves the
+    is. SwiGLU saves gate, up and their product (silu(gate) is recomputed in backward:
+    runtime/mlp.py's GatedActivation, as Megatron's fused SwiGLU). An MoE block saves the
     router's fp32 softmax, the top-k choices, their probabilities and sum (the
     renormalisation, top_k > 1) and the routing weights; the index of the permutation
     to expert order and of its inverse; each token's k copies dispatched to the experts,
@@ -202,11 +203,11 @@ def mlp_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_parall
 
 
 def mlp_saved_per_width(model: ModelConfig) -> int:
-    """Tensors of the MLP's width an MLP saves: gated (SwiGLU, GeGLU) the gate, its
-    activation, up and their product (down's input); GELU its input and output (down's
-    input); squared ReLU the ReLU's output (its own backward and the square's input)
-    and the square (down's input)."""
-    return 4 if model.mlp in model_size.GATED_MLPS else 2
+    """Tensors of the MLP's width an MLP saves: gated (SwiGLU, GeGLU) the gate, up and
+    their product (down's input), the gate's activation recomputed in backward
+    (runtime/mlp.py); GELU its input and output (down's input); squared ReLU the ReLU's
+    output (its own backward and the square's input) and the square (down's input)."""
+    return 3 if model.mlp in model_size.GATED_MLPS else 2
 
 
 def op_saved_tensors(model: ModelConfig, moe: bool, compute: int, tp: int, expert_parallel: bool = False

@@ -315,7 +315,7 @@ def test_moe_activations_are_per_routed_row_and_not_split_by_tp():
 
     h, ef, c, tokens, layers = 64, 64, 4, 16 * 64, 8
     # dispatched and output rows, SwiGLU, routing weight, choice + permutation + inverse (int64), fp32 probability
-    per_row = 2 * h * c + 4 * ef * c + c + 3 * 8 + 4
+    per_row = 2 * h * c + 3 * ef * c + c + 3 * 8 + 4
     assert moe_bytes(wider, 1) - moe_bytes(moe, 1) == pytest.approx(layers * tokens * 2 * per_row, rel=1e-9)
     attention_split = moe_bytes(moe, 1) - moe_bytes(moe, 2)
     assert 0 < attention_split < 0.25 * moe_bytes(moe, 1)  # only the attention's heads are divided

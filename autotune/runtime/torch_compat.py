@@ -140,8 +140,13 @@ PIPELINE_ACTIONS = {schedules.FORWARD: "F", schedules.FULL_BACKWARD: "B", schedu
 @contextlib.contextmanager
 def capturing_pipeline_posts(posted):
     """While the block runs, `posted(ops, works)` sees every batch of P2P ops torch's
-    schedules post and the works they return (the lists the schedule keeps to wait)."""
-    original = schedules._batch_p2p
+    schedules post and the works they return (the lists the schedule keeps to wait).
+    Where torch has no `_batch_p2p` nothing is seen, and the schedule waits its sends
+    at the step's end as torch does."""
+    original = getattr(schedules, "_batch_p2p", None)
+    if original is None:
+        yield
+        return
 
     def batch_p2p(ops, *args, **kwargs):
         works = original(ops, *args, **kwargs)

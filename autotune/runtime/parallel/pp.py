@@ -132,9 +132,10 @@ def build_schedule(parts: dict[int, nn.Module], layout: Layout, microbatches: in
     schedule_class = getattr(schedules, schedule.torch_class)
     built = schedule_class(stages if schedule.multi_stage else stages[0], n_microbatches=microbatches,
                            loss_fn=ScaledLoss(microbatches), scale_grads=False)
-    if not schedule.lowered:
+    orders = getattr(built, "pipeline_order_with_comms", None)  # the lowered action lists of every rank
+    if not schedule.lowered or not orders:
         return built, None
-    releaser = SendReleaser(built.pipeline_order_with_comms, built.stage_index_to_group_rank, dist.get_rank(pp_group))
+    releaser = SendReleaser(orders, built.stage_index_to_group_rank, dist.get_rank(pp_group))
     for stage in stages:
         stage.releaser = releaser
     return built, releaser
