@@ -663,7 +663,8 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
 
     loss_backward (the rank with the head): every activation saved, the final norm's
       tensors, the logits, their gradient and the loss's fp32 chunks.
-    layer_backward: the loss's buffers freed, the last layer's SwiGLU backward holds the
+    layer_backward: the loss's buffers freed (under FSDP without PP the head's whole
+      gradient kept: its unit, the root, reduces last), the last layer's SwiGLU backward holds the
       incoming gradient, then the down projection's weight gradient (a moment, until the
       gradient hook has added it into the buffer; FSDP keeps it, with the rest of the
       block's, until the block's reduce-scatter) and the product's gradient (tokens x
@@ -748,7 +749,10 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         if not shape.last:
             keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu)
         elif layout.pp == 1:
-            keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu)
+            # FSDP reduces the root's gradients (final norm, head) only when the whole
+            # backward ends: the head's unsharded gradient lives through every layer's.
+            head_grad = c * shape.head_params if state.sharded else 0.0
+            keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu + head_grad)
             keep("loss_backward", grads, stored + final_norm, pipeline, logits + lse, loss_backward)
         else:
             # V schedules run the last stage's backward right after its forward. Under a
