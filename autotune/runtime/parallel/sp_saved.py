@@ -21,6 +21,8 @@ block's input. Costs one more all-gather per half in backward, as Megatron's doe
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -74,9 +76,15 @@ class ShardSavingHalf:
     def __init__(self, module: nn.Module, mesh: DeviceMesh):
         self.mesh = mesh
         self.shard = None
-        self.inner_forward = module.forward
+        # The module holds this object (its forward); a strong reference back would make a
+        # cycle that keeps a finished trial's model alive until the garbage collector runs.
+        self.module = weakref.ref(module)
         module.register_forward_pre_hook(self.take_shard, prepend=True)  # before torch's gather
         module.forward = self.forward
+
+    def inner_forward(self, *args, **kwargs):
+        module = self.module()
+        return type(module).forward(module, *args, **kwargs)
 
     def take_shard(self, module: nn.Module, args: tuple) -> None:
         self.shard = args[0]
