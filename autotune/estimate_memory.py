@@ -451,11 +451,15 @@ def weight_output_grads(model: ModelConfig, layout: Layout, layers: range, last:
     the row-parallel outputs whole; the norms' scaling split by tp under SP; the last
     stage's final norm too. (Its head's output gradient takes the place of the logits,
     which the input step frees: counted with the micro-batches waiting on the last
-    stage.) MoE (whole under TP): the router and the experts' SwiGLU for top_k experts."""
+    stage.) MoE (whole under TP): the router and the experts' SwiGLU for top_k experts.
+    Under SP without op or full recompute, each half's input, regathered from its shard
+    by the input step (runtime/parallel/sp_saved.py), waits whole for the weight step."""
     tp, h = layout.tp, model.hidden_size
     stream = h / tp if layout.sp else h
     q, k, v = attention_widths(model)
     attention = (q + k + v) / tp + h + 2 * stream
+    if layout.sp and tp > 1 and layout.recompute in ("none", "selective"):
+        attention += 2 * h  # both halves' regathered inputs
     if model.attention == "mla":  # the down projections' outputs, whole on every tp rank
         attention += (model.mla.q_lora_rank or 0) + model.mla.kv_lora_rank + model.mla.qk_rope_head_dim
     first_half = model_size.mlp_matrices(model) - 1
