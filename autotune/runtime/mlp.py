@@ -32,13 +32,16 @@ class GatedActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # In this order at most three tensors of the MLP's width live at once (up's
+        # gradient, the activation's, the gate's), as under autograd's own backward.
         gate, up = ctx.saved_tensors
+        grad_up = grad * _gate_activation(ctx.kind, gate)
         grad_activated = grad * up
         if ctx.kind == "swiglu":
             grad_gate = torch.ops.aten.silu_backward(grad_activated, gate)
         else:
             grad_gate = torch.ops.aten.gelu_backward(grad_activated, gate, approximate="tanh")
-        return grad_gate, grad * _gate_activation(ctx.kind, gate), None
+        return grad_gate, grad_up, None
 
 
 def _gate_activation(kind: str, gate: torch.Tensor) -> torch.Tensor:
