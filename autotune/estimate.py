@@ -87,7 +87,7 @@ class Estimate:
     memory_budget_bytes: float | None = None
     device: str = "cuda"
     worst_pp_rank: int = 0
-    peak_phase: str = "loss_backward"  # or "layer_backward", "optimizer_step": see estimate_memory.rank_memory
+    peak_phase: str = "loss_backward"  # or "layer_backward", "optimizer_step", "backward_end": estimate_memory
     grad_accum: int = 1
     tokens_per_s_per_gpu: float = 0.0
     compute_s: float = 0.0  # busy time of the slowest pipeline rank, its TP/CP/EP communication included

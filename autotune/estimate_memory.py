@@ -28,7 +28,9 @@ The peak is the largest of a few moments of a step (rank_terms):
   incoming gradient, a weight gradient on its way into the buffer and tokens x ffn
   gradients; recompute rebuilds that layer first;
 - optimizer_step: the gradients complete, the state updated in place (torch's fused
-  AdamW makes no temporaries), zero 1's all-gather bucket.
+  AdamW makes no temporaries), zero 1's all-gather bucket;
+- backward_end (zero 2/3 without PP): FSDP's last reductions, of the head's and the
+  embedding's whole gradients.
 
 Activations are the tensors autograd saves, itemised per layer for our block (the
 runtime's model, measured by saved-tensor hooks on the CPU) in the accounting of
@@ -605,6 +607,16 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
         step_temporaries = prec.compute * bucket * (1 + 1 / (layout.dp_shard * layout.cp))
     phases["optimizer_step"] = (state.params, state.master_params, state.grads, state.optimizer, 0.0, 0.0,
                                 _pipeline_held(model, layout, prec, shape), 0.0, step_temporaries, overhead)
+    if layout.zero >= 2 and layout.pp == 1:
+        # The backward's end: FSDP reduces the root (final norm, head) and the embedding
+        # last, once their gradients are whole. Both units are gathered, both gradients
+        # unsharded (compute dtype), and a reduce-scatter copies one into fp32 (its
+        # reduce_dtype) before sending it.
+        embedding = shape.root_params - shape.head_params
+        ends = shape.head_params + embedding
+        phases["backward_end"] = (state.params, state.master_params, state.grads, state.optimizer,
+                                  prec.compute * ends, 0.0, 0.0, 0.0,
+                                  prec.compute * ends + prec.grad * max(shape.head_params, embedding), overhead)
     return phases
 
 
