@@ -238,7 +238,11 @@ class SavedActivations:
     """Bytes of the tensors autograd saves for backward that are alive at once, and the
     most of them over a step: the activations a rank holds. Storages are counted once
     each, from their packing until Python frees them; parameters' storages (which
-    autograd saves too, for the weight gradients' inputs) are not activations."""
+    autograd saves too, for the weight gradients' inputs) are not activations.
+
+    Blind inside sequence parallel's halves: their own saved-tensor hooks
+    (runtime/parallel/sp_saved.py) are the innermost while they run, and autograd calls
+    only those. Measure SP layouts by the allocator (a trial's peak) instead."""
 
     def __init__(self, modules):
         self.parameters = {local(p).untyped_storage()._cdata for m in modules for p in m.parameters()}
