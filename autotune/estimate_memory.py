@@ -613,10 +613,10 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
         # unsharded (compute dtype), and a reduce-scatter copies one into fp32 (its
         # reduce_dtype) before sending it.
         embedding = shape.root_params - shape.head_params
-        ends = shape.head_params + embedding
         phases["backward_end"] = (state.params, state.master_params, state.grads, state.optimizer,
-                                  prec.compute * ends, 0.0, 0.0, 0.0,
-                                  prec.compute * ends + prec.grad * max(shape.head_params, embedding), overhead)
+                                  prec.compute * shape.root_params, 0.0, 0.0, 0.0,
+                                  prec.compute * shape.root_params + prec.grad * max(shape.head_params, embedding),
+                                  overhead)
     return phases
 
 
