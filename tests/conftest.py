@@ -43,6 +43,7 @@ DISTRIBUTED_TESTS = {
     "test_profiling::test_communication_hidden_behind_compute_is_not_exposed",
     "test_profiling::test_a_known_extra_tensor_raises_the_peak_by_its_size",
     "test_profiling::test_a_tensor_freed_on_another_thread_is_freed_for_the_peak",
+    "test_profiling::test_columns_give_the_per_event_readings_figures_on_one_real_profile",
     "test_report::test_exports_of_a_known_pipeline_layout",
     "test_report::test_exports_of_a_known_data_parallel_layout",
     "test_slurm::test_slurm_trial_runs_on_the_allocations_first_nodes",

@@ -273,3 +273,23 @@ def test_a_tensor_freed_on_another_thread_is_freed_for_the_peak(measured):
     for r in measured["freed_elsewhere"]:
         assert r["peak_mem_bytes"] - r["resident_mem_bytes"] == pytest.approx(4 << 20, rel=0.05)
         assert len(set(r["step_peak_mem_bytes"])) == 1  # and it does not grow from step to step
+
+
+# -- the columnar reading gives the per-event reading's figures ----------------------------------
+
+def test_columns_give_the_per_event_readings_figures_on_one_real_profile():
+    """Every figure of the table-and-numpy reading equals the per-event one it replaced
+    (tests/support/profile_reference.py) on the same profiles: data parallel, zero=3 (whose
+    all-gathers allocate gloo scratch inside `c10d::` operators) and tensor parallel with SP
+    (DTensor redistributions), on two gloo ranks."""
+    from support.profile_reference import both_readings
+    from support.spawn_group import run_on_ranks
+
+    ranks = run_on_ranks(2, both_readings, ["dp=2,zero=0", "dp=2,zero=3", "tp=2,sp=1"])
+    for rank in ranks:
+        for layout, reading in zip(("dp=2 zero=0", "zero=3", "tp=2 sp"), rank):
+            columns, per_event = reading["columns"], reading["per_event"]
+            for name, value in columns.items():
+                assert value == per_event[name], (layout, name, value, per_event[name])
+        assert rank[1]["per_event"]["scratch_events"] > 0  # zero=3's scratch was there to find
+        assert all(reading["columns"]["comm_s"] > 0 for reading in rank)

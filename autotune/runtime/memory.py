@@ -41,8 +41,10 @@ import gc
 import statistics
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from autotune.runtime.event_table import union_arrays
 from autotune.runtime.torch_compat import ProfilerEventType, is_traceable_wrapper_subclass
 
 SCRATCH_OPERATORS = "c10d::"  # a backend's collective: what it allocates inside is its own
@@ -58,22 +60,43 @@ class MemoryEvent(NamedTuple):
     scratch: bool  # allocated by a communication backend for itself
 
 
-def memory_events(result, gloo_threads: set[int]) -> list[MemoryEvent]:
+def memory_events(result, events) -> list[MemoryEvent]:
     """The CPU allocation events of a profile, in time order, each marked as a backend's
-    scratch when it happens on a gloo worker thread or inside a `c10d::` operator."""
-    events, stack = [], [(node, False) for node in result.experimental_event_tree()]
-    while stack:
-        node, in_collective = stack.pop()
-        inside = in_collective or node.name.startswith(SCRATCH_OPERATORS)
-        if node.tag == ProfilerEventType.Allocation:
-            fields = node.extra_fields
-            if fields.device.type == "cpu":
-                events.append(MemoryEvent(node.start_time_ns, fields.total_allocated, fields.alloc_size, fields.ptr,
-                                          inside or node.start_tid in gloo_threads))
+    scratch when it happens on a gloo worker thread or inside a `c10d::` operator.
+
+    `events`: the profile's EventTable (runtime/event_table.py), whose `c10d::` operators
+    say, by their spans on each thread, which allocations they made: an allocation is a
+    child of the operator it happened in, on the same thread, inside its span."""
+    nodes, stack = [], list(result.experimental_event_tree())
+    pop, extend, keep, allocation = stack.pop, stack.extend, nodes.append, ProfilerEventType.Allocation
+    while stack:  # every node once, reading only its tag (10^5 nodes a step)
+        node = pop()
+        if node.tag == allocation:
+            keep(node)
         else:
-            stack.extend((child, inside) for child in node.children)
-    events.sort()
-    return events
+            extend(node.children)
+    # A CPU trial's profile: every allocation is on the CPU (a GPU's are not read here).
+    fields = [node.extra_fields for node in nodes]
+    allocations = list(zip([node.start_time_ns for node in nodes], [f.total_allocated for f in fields],
+                           [f.alloc_size for f in fields], [f.ptr for f in fields], [node.start_tid for node in nodes]))
+    if not allocations:
+        return []
+    times = np.array([a[0] for a in allocations], dtype=np.int64)
+    threads = np.array([a[4] for a in allocations], dtype=np.int64)
+    scratch = np.isin(threads, np.array(sorted(events.gloo_worker_threads()), dtype=np.int64))
+    operators = events.named(SCRATCH_OPERATORS) & ~events.cuda
+    for thread in np.unique(events.thread[operators]).tolist():
+        mine = operators & (events.thread == thread)
+        spans = union_arrays(events.start[mine], events.end[mine])
+        starts = np.array([s for s, _ in spans], dtype=np.int64)
+        ends = np.array([e for _, e in spans], dtype=np.int64)
+        on_thread = np.flatnonzero(threads == thread)
+        span = np.searchsorted(starts, times[on_thread], side="right") - 1
+        inside = (span >= 0) & (times[on_thread] <= ends[np.maximum(span, 0)])
+        scratch[on_thread[inside]] = True
+    marked = [MemoryEvent(a[0], a[1], a[2], a[3], bool(flag)) for a, flag in zip(allocations, scratch.tolist())]
+    marked.sort()
+    return marked
 
 
 def levels(events: list[MemoryEvent], start_level: int) -> list[tuple[int, int]]:

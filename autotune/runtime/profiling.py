@@ -30,21 +30,24 @@ import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
+import numpy as np
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from autotune.runtime.event_table import (
+    BLOCKING_COMM_PREFIXES,
+    STEP_EVENT,
+    Event,
+    EventTable,
+    Interval,
+    is_communication,
+    paused_gc,
+    read_events,
+)
 from autotune.runtime.memory import levels, live_tensor_bytes, memory_events, rank_peak, step_peaks
 
-STEP_EVENT = "autotune.step"
-GLOO_PREFIX = "gloo:"
-GLOO_POINT_TO_POINT = ("gloo:send", "gloo:recv")
-# Operators by which a compute thread issues or waits for a collective: not compute.
-BLOCKING_COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
-
-Interval = tuple[int, int]  # [start, end) in nanoseconds
+__all__ = ["STEP_EVENT", "Event", "EventTable", "is_communication", "analyze", "StepProfiler", "StepTimer"]
 
 
 # -- interval arithmetic -----------------------------------------------------------------------
@@ -96,66 +99,40 @@ def total(intervals: list[Interval]) -> int:
     return sum(end - start for start, end in intervals)
 
 
-# -- events ------------------------------------------------------------------------------------
+# -- events (runtime/event_table.py reads and classifies them) --------------------------------
 
-class Event(NamedTuple):
-    """The part of a profiler event the analysis reads (a NamedTuple, cheap to make: a step
-    of a small model on the CPU records some 10^5 events)."""
-
-    name: str
-    kind: str  # GPU events: the profiler's activity type (kernel, gpu_memcpy, ...); CPU: cpu_op, user_annotation
-    device: str  # "cpu" or "cuda"
-    thread: int
-    start_ns: int
-    end_ns: int
-
-    @property
-    def interval(self) -> Interval:
-        return (self.start_ns, self.end_ns)
+def as_table(events) -> EventTable:
+    """Tests and probes pass lists of Events; a profile is read as a table."""
+    return events if isinstance(events, EventTable) else EventTable.from_events(events)
 
 
-# CPU events the analysis reads; the rest (autograd and module annotations, memory
-# records, Python-level ops) are skipped when the profiler's result is read.
-CPU_PREFIXES = ("aten::", GLOO_PREFIX, STEP_EVENT) + BLOCKING_COMM_PREFIXES
+def step_spans(events) -> list[Interval]:
+    table = as_table(events)
+    mask = ~table.cuda & table._by_name(lambda name: name == STEP_EVENT)
+    return sorted(zip(table.start[mask].tolist(), table.end[mask].tolist()))
 
 
-def read_events(result) -> list[Event]:
-    """Every GPU event and the CPU events the analysis reads, from the profiler's result."""
-    events = []
-    for e in result.events():
-        name = e.name()
-        if e.device_type() == DeviceType.CUDA:
-            events.append(Event(name, e.activity_type(), "cuda", e.start_thread_id(), e.start_ns(), e.end_ns()))
-        elif name.startswith(CPU_PREFIXES):
-            events.append(Event(name, e.activity_type(), "cpu", e.start_thread_id(), e.start_ns(), e.end_ns()))
-    return events
+def communication_intervals(events) -> list[Interval]:
+    table = as_table(events)
+    return table.intervals(table.communication())
 
 
-def is_communication(e: Event) -> bool:
-    """gloo's annotations on the CPU; NCCL's kernels on a GPU (not NCCL's CPU-side
-    `nccl:*` annotations, which end when the kernel is enqueued)."""
-    if e.device == "cpu":
-        return e.name.startswith(GLOO_PREFIX)
-    return e.kind == "kernel" and e.name.lower().startswith("nccl")
-
-
-def step_spans(events: list[Event]) -> list[Interval]:
-    return sorted(e.interval for e in events if e.device == "cpu" and e.name == STEP_EVENT)
-
-
-def communication_intervals(events: list[Event]) -> list[Interval]:
-    return union(e.interval for e in events if is_communication(e))
-
-
-def compute_intervals(events: list[Event]) -> list[Interval]:
+def compute_intervals(events) -> list[Interval]:
     """GPU: non-NCCL kernels. CPU: aten operators off gloo's worker threads, minus the
     blocking communication calls on those threads."""
-    kernels = [e.interval for e in events if e.device == "cuda" and e.kind == "kernel" and not is_communication(e)]
-    gloo_workers = gloo_worker_threads(events)
-    on_compute_threads = [e for e in events if e.device == "cpu" and e.thread not in gloo_workers]
-    operators = union(e.interval for e in on_compute_threads if e.name.startswith("aten::"))
-    blocking = union(e.interval for e in on_compute_threads if e.name.startswith(BLOCKING_COMM_PREFIXES))
+    table = as_table(events)
+    kernels = table.intervals(table.kernels() & ~table.communication())
+    workers = np.array(sorted(gloo_worker_threads(table)), dtype=np.int64)
+    on_compute_threads = ~table.cuda & ~np.isin(table.thread, workers)
+    operators = table.intervals(on_compute_threads & table.named("aten::"))
+    blocking = table.intervals(on_compute_threads & table.named(*BLOCKING_COMM_PREFIXES))
     return union(kernels + subtract(operators, blocking))
+
+
+def gloo_worker_threads(events) -> set[int]:
+    """The threads gloo runs its collectives on (point-to-point transfers show on the
+    thread that posted them, which computes too)."""
+    return as_table(events).gloo_worker_threads()
 
 
 # -- one rank's figures ------------------------------------------------------------------------
@@ -186,10 +163,11 @@ class RankFigures:
         return self.exposed_comm_s / self.measured_s
 
 
-def analyze(events: list[Event], step_peak_mem_bytes: list[int], resident_mem_bytes: int,
+def analyze(events: EventTable | list[Event], step_peak_mem_bytes: list[int], resident_mem_bytes: int,
             memory_source: str = "") -> RankFigures:
     """Step times and (exposed) communication time of one rank's recorded events, with the
     memory figures measured beside them."""
+    events = as_table(events)
     steps = step_spans(events)
     in_steps = union(steps)
     comm = intersect(communication_intervals(events), in_steps)
@@ -198,13 +176,6 @@ def analyze(events: list[Event], step_peak_mem_bytes: list[int], resident_mem_by
                        comm_s=total(comm) / 1e9, exposed_comm_s=total(exposed) / 1e9,
                        peak_mem_bytes=rank_peak(step_peak_mem_bytes), resident_mem_bytes=resident_mem_bytes,
                        step_peak_mem_bytes=list(step_peak_mem_bytes), memory_source=memory_source)
-
-
-def gloo_worker_threads(events: list[Event]) -> set[int]:
-    """The threads gloo runs its collectives on (point-to-point transfers show on the
-    thread that posted them, which computes too)."""
-    return {e.thread for e in events if e.device == "cpu" and e.name.startswith(GLOO_PREFIX)
-            and e.name not in GLOO_POINT_TO_POINT}
 
 
 # -- the profiler around a training loop -------------------------------------------------------
@@ -264,7 +235,7 @@ class StepProfiler:
         self.device, self.warmup, self.steps, self.trace_file = device, warmup, steps, trace_file
         self.allocator_tracked = allocator_tracked
         self.figures: RankFigures | None = None
-        self.events: list[Event] = []  # what the figures were computed from
+        self.events = EventTable.from_events([])  # what the figures were computed from
         self._done = 0
         self._failing = False
         self._resident = 0
@@ -316,11 +287,12 @@ class StepProfiler:
         if self._failing:
             return
         result = prof.profiler.kineto_results
-        self.events = read_events(result)
+        self.events = read_events(result, with_device=self.device.type == "cuda")
         if self.device.type == "cuda":
             peaks, resident, source = self._cuda_step_peaks, self._resident, "allocator statistics"
         else:
-            memory = memory_events(result, gloo_worker_threads(self.events))
+            with paused_gc():
+                memory = memory_events(result, self.events)
             resident = self._resident
             if self.allocator_tracked and memory:
                 resident = memory[0].total - memory[0].size
