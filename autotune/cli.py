@@ -159,6 +159,9 @@ def build_parser() -> Parser:
                    help="start no trial after S seconds (default: none)")
     p.add_argument("--exhaustive", action="store_true",
                    help="with no --trials or --time-budget, measure every layout instead of stopping by the rule")
+    p.add_argument("--confirm", type=non_negative_int, default=3, metavar="K",
+                   help="at the end, measure the K best layouts again in fresh processes; their figures become "
+                        "the median of their runs (default 3; 0: none)")
     p.add_argument("--out", default=None, help="results folder (default results/<model>-<gpus>gpus)")
     p.add_argument("--storage", default=None,
                    help="where the study lives: sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB or "
@@ -263,7 +266,7 @@ def cmd_run(args) -> int:
         gpus_per_node=args.gpus_per_node or hardware.gpus_per_host, launcher=args.launcher,
         trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops,
         trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat, dtype=args.dtype,
-        exhaustive=args.exhaustive)
+        exhaustive=args.exhaustive, confirm=args.confirm)
     Launcher(question.launcher, question.gpus_per_node, args.hosts).check(args.gpus)  # before the study exists
     out = Path(args.out or f"results/{model.name}-{args.gpus}gpus")
     return run_sweep(question, out, storage=args.storage, study_name=args.study_name, hosts=args.hosts)

@@ -44,7 +44,7 @@ PROFILED_METRICS = ("peak_mem_bytes", "comm_fraction", "exposed_comm_fraction")
 METRICS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu") + PROFILED_METRICS
 # What the study keeps of a trial's JSON in its Optuna user attributes: the metrics and
 # the facts needed to read them.
-RECORDED_KEYS = METRICS + ("grad_accum", "world_size", "duration_s", "peak_tflops", "losses")
+RECORDED_KEYS = METRICS + ("grad_accum", "world_size", "duration_s", "peak_tflops", "losses", "step_times_s")
 # The estimator's prediction of each, kept as predicted_<name>.
 PREDICTED_KEYS = ("peak_mem_bytes", "tokens_per_s", "step_time_s", "mfu", "comm_fraction")
 
@@ -74,6 +74,7 @@ class Question:
     heartbeat_s: int = 60  # shared storages: every worker beats this often; stale after 4 beats missed
     dtype: str | None = None  # --dtype; None: the model's on CUDA, fp32 on the CPU (config.trained_dtype)
     exhaustive: bool = False  # --exhaustive: no stopping rule (stopping.py) without a budget
+    confirm: int = 3  # --confirm: the leading layouts measured again at the end (remeasure.py)
 
     @classmethod
     def from_dict(cls, stored: dict) -> "Question":

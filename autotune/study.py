@@ -37,7 +37,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from autotune import stopping
+from autotune import remeasure, stopping
 from autotune.config import GIB
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, calibrate, estimate
@@ -60,6 +60,7 @@ from autotune.record import (
     holds_layout,
 )
 from autotune.report import write_csv, write_reports
+from autotune.report.table import trial_table
 from autotune.samplers import GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler, layout_from_params
 from autotune.space import valid_layouts
 from autotune.storage import Claim, load_study, open_storage, optuna_quiet, redact
@@ -236,6 +237,28 @@ class Controller:
             time.sleep(min(self.q.heartbeat_s, 10))
         return self.tally
 
+    def remeasure_leaders(self) -> int:
+        """Run the leading complete layouts again in fresh processes (remeasure.py); the runs
+        that complete join the trial's figures. Returns how many layouts were run again."""
+        done = dict(self.study.user_attrs.get(remeasure.ATTR, {}))
+        leaders = remeasure.leaders(self.study.get_trials(deepcopy=False), self.q.confirm, done)
+        for i, t in enumerate(leaders):
+            layout = self.sampler.by_name.get(t.user_attrs["layout"])
+            if layout is None:
+                continue
+            if self.progress:
+                self.progress.console.print(f"re-measuring trial {t.number} ({layout.short()}) in fresh processes, "
+                                            f"{i + 1} of {len(leaders)}", highlight=False)
+            record = self.launch(t.number, layout, self.predict(layout, self.calibration()), again=True)
+            if record["status"] == COMPLETE:
+                done[str(t.number)] = done.get(str(t.number), []) + [remeasure.kept(record)]
+            elif self.progress:
+                self.progress.console.print(f"trial {t.number} measured again: {record['status']}/"
+                                            f"{record.get('reason')} ({record.get('error', '')}); its first "
+                                            f"figures stand", highlight=False)
+            self.study.set_user_attr(remeasure.ATTR, done)
+        return len(leaders)
+
     def out_of_time(self, deadline: float | None) -> bool:
         if deadline is None or time.monotonic() < deadline:
             return False
@@ -310,13 +333,15 @@ class Controller:
                                f"{self.q.max_comm_fraction:.0%}")
         return self.finish(trial, status, reason, record)
 
-    def launch(self, number: int, layout: Layout, predicted) -> dict:
+    def launch(self, number: int, layout: Layout, predicted, again: bool = False) -> dict:
         spec = self.q.trial_spec(str(layout))
         predicted_run = predicted.step_time_s * (self.q.steps + self.q.warmup)
         floor = TIMEOUT_FLOOR_S[self.q.device]
         timeout = max(floor, TIMEOUT_PREDICTION_FACTOR * predicted_run) if math.isfinite(predicted_run) else floor
         timeout = self.q.trial_timeout_s or timeout
         trial_dir = self.out / "trials" / str(number)
+        if again:  # a re-measurement: its own logs beside the first run's
+            trial_dir = trial_dir / f"again-{len(list(trial_dir.glob('again-*'))) + 1}"
         record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir, launcher=self.launcher)
         (trial_dir / "result.json").write_text(json.dumps(record, indent=2))
         return record
@@ -415,7 +440,7 @@ def run_sweep(question: Question, out: Path, storage: str | None = None, study_n
         launcher = Launcher(question.launcher, question.gpus_per_node, tuple(hosts))
         claim = Claim(storage or f"sqlite:///{out / 'study.db'}", study.study_name)
         return sweep(Controller(question, study, out, claim, launcher=launcher, shared=storage is not None),
-                     title, "run the same command to resume", console)
+                     title, "run the same command to resume", console, remeasure_leaders=True)
 
 
 def run_worker(storage: str, study_name: str, out: Path | None = None, launcher: str | None = None,
@@ -435,8 +460,9 @@ def run_worker(storage: str, study_name: str, out: Path | None = None, launcher:
                                 shared=True), title, "start the worker again to go on", console)
 
 
-def sweep(controller: Controller, title: str, resume_hint: str, console=None) -> int:
-    """Run the controller with progress on stderr, then write trials.csv, report.html and best/."""
+def sweep(controller: Controller, title: str, resume_hint: str, console=None, remeasure_leaders: bool = False) -> int:
+    """Run the controller with progress on stderr, then (`autotune run`, not a worker) the
+    leading layouts again, then write trials.csv, report.html and best/."""
     from rich.console import Console
 
     console = console or Console(stderr=True)
@@ -447,6 +473,8 @@ def sweep(controller: Controller, title: str, resume_hint: str, console=None) ->
             controller.progress = progress
             try:
                 controller.run()
+                if remeasure_leaders:
+                    controller.remeasure_leaders()
             except KeyboardInterrupt:
                 interrupted = True
     finally:
@@ -461,8 +489,11 @@ def sweep(controller: Controller, title: str, resume_hint: str, console=None) ->
         return 130
     if stopped:
         console.print(f"stopped: {stopped}")
-    best = controller.tally.best
-    if best:
-        console.print(f"best: {best.get('layout_short')}  ({best['value']:,.4g} {q.objective})")
+    table = trial_table(controller.study)  # re-measured trials at the median of their runs
+    complete = table[table["status"] == COMPLETE].sort_values(["value", "trial"], ascending=[False, True])
+    if len(complete):
+        best = complete.iloc[0]
+        confirmed = ", confirmed" if best["confirmed"] else ""
+        console.print(f"best: {best['layout_short']}  ({best['value']:,.4g} {q.objective}{confirmed})")
     console.print(f"results: {out / 'trials.csv'} · report: {out / 'report.html'}")
     return 0

@@ -27,7 +27,7 @@ from support.report_study import OUTCOMES, make_study, question
 # The CSV's columns are a contract (README, "Results"): written out here, not imported.
 CSV_COLUMNS = ["trial", "status", "reason", "tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "schedule",
                "vpp", "recompute", "sp", "recompute_layers", "grad_accum", "tokens_per_s", "tokens_per_s_per_gpu",
-               "mfu", "step_time_s",
+               "mfu", "step_time_s", "step_time_min_s", "step_time_max_s", "confirmed",
                "peak_mem_gb", "predicted_peak_mem_gb", "comm_fraction", "exposed_comm_fraction",
                "predicted_tokens_per_s", "duration_s", "error"]
 
@@ -123,6 +123,40 @@ def test_answer_explains_with_the_rules_of_thumb(tmp_path):
     assert "safer choice" in result.runner_up_text  # 50% headroom for 3% of the throughput
     tp = [c for c in result.choices if c.key == "tp"]
     assert [(c.value, c.chosen) for c in tp] == [(2, True), (4, False)] and tp[1].vs_best == pytest.approx(-0.03)
+
+
+def test_a_remeasured_trial_reads_as_the_median_of_its_runs_and_ties_are_called(tmp_path):
+    q = question("llama3-8b", 16, "dense", "h100-sxm")
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize")
+    study.set_user_attr("question", q)
+
+    def add(layout, tokens, steps):
+        L = resolve(layout, load_model("llama3-8b"), 16, 8)
+        attrs = {"layout": str(L), "layout_short": L.short(), "status": "complete", "tokens_per_s": tokens,
+                 "step_time_s": sorted(steps)[len(steps) // 2], "step_times_s": steps, "peak_mem_bytes": 40 * GB,
+                 "predicted_peak_mem_bytes": 40 * GB, "grad_accum": 1}
+        study.add_trial(create_trial(state=TrialState.COMPLETE, value=tokens, user_attrs=attrs))
+
+    add("tp=2,pp=2,mbs=1,zero=1", 110_000, [1.00, 1.02, 1.01])
+    add("tp=4,pp=1,mbs=1,zero=1", 100_000, [1.08, 1.10, 1.09])
+    table = trial_table(study)
+    assert list(table["confirmed"]) == [0, 0]
+    assert list(table["step_time_min_s"]) == [1.00, 1.08] and list(table["step_time_max_s"]) == [1.02, 1.10]
+    clear = answer(Question.from_dict(q), table).runner_up_text
+    assert "Every measured step of the recommended layout was faster" in clear
+    # trial 0 measured again, slower twice: its figures become the median of its three runs
+    study.set_user_attr("remeasured", {"0": [
+        {"tokens_per_s": 95_000, "step_time_s": 1.12, "step_times_s": [1.11, 1.12, 1.13], "peak_mem_bytes": 41 * GB},
+        {"tokens_per_s": 104_000, "step_time_s": 1.05, "step_times_s": [1.04, 1.05, 1.07], "peak_mem_bytes": 42 * GB}]})
+    table = trial_table(study)
+    first = table.iloc[0]
+    assert first["confirmed"] == 1 and first["value"] == first["tokens_per_s"] == 104_000
+    assert first["step_time_s"] == 1.05 and first["peak_mem_gb"] == pytest.approx(41)
+    assert (first["step_time_min_s"], first["step_time_max_s"]) == (1.00, 1.13)
+    result = answer(Question.from_dict(q), table)
+    assert result.best["trial"] == 0 and result.runner_up["trial"] == 1
+    assert "within each other's spread" in result.runner_up_text and "1-1.13 s against 1.08-1.1 s" in \
+        result.runner_up_text
 
 
 def test_the_gpu_split_reads_both_ways():

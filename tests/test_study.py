@@ -31,7 +31,8 @@ def study_trials(out_dir):
 
 def test_run_end_to_end(tmp_path):
     out_dir = tmp_path / "sweep"
-    result = autotune_run("--gpus", "4", "--trials", "4", "--steps", "2", "--warmup", "1", "--out", str(out_dir))
+    result = autotune_run("--gpus", "4", "--trials", "4", "--steps", "2", "--warmup", "1", "--confirm", "1",
+                          "--out", str(out_dir))
     assert result.returncode == 0, result.stderr
     frame = read_csv(out_dir)
     assert list(frame.columns) == CSV_COLUMNS
@@ -40,6 +41,14 @@ def test_run_end_to_end(tmp_path):
     assert len(launched) == 4
     complete = frame[frame["status"] == "complete"]
     assert len(complete) >= 1 and (complete["tokens_per_s"] > 0).all()
+    # the leader was measured again in fresh processes: its steps are both runs' (2 + 2)
+    (leader,) = frame[frame["confirmed"] == 1].itertuples()
+    first_best = max((t for t in study_trials(out_dir) if t.state.name == "COMPLETE"), key=lambda t: t.value)
+    assert leader.trial == first_best.number
+    assert (out_dir / "trials" / str(leader.trial) / "again-1" / "result.json").exists()
+    assert "re-measuring trial" in result.stderr
+    assert (complete["step_time_min_s"] <= complete["step_time_s"]).all()
+    assert (complete["step_time_s"] <= complete["step_time_max_s"]).all()
     best = (out_dir / "best" / "layout.txt").read_text()
     best_row = complete.sort_values("tokens_per_s").iloc[-1]
     assert f"tp={best_row['tp']}," in best and f"mbs={best_row['mbs']}" in best

@@ -217,6 +217,22 @@ def rules(question: Question, table: pd.DataFrame, best: pd.Series) -> list[Rule
     return out
 
 
+def spread_text(best: pd.Series, runner: pd.Series) -> str:
+    """Whether the two are within each other's spread: the ranges of their measured step
+    times (every run of a re-measured trial) overlap, so their order is within the noise."""
+    keys = ("step_time_min_s", "step_time_max_s")
+    if not all(present(row.get(k)) for row in (best, runner) for k in keys):
+        return ""
+    if best["step_time_max_s"] < runner["step_time_min_s"]:
+        return (f" Every measured step of the recommended layout was faster than every one of the runner-up's "
+                f"({best['step_time_max_s']:.3g} s at most against {runner['step_time_min_s']:.3g} s at least).")
+    confirmed = all(present(row.get("confirmed")) and row["confirmed"] for row in (best, runner))
+    return (f" The two are within each other's spread: their measured step times overlap "
+            f"({best['step_time_min_s']:.3g}-{best['step_time_max_s']:.3g} s against "
+            f"{runner['step_time_min_s']:.3g}-{runner['step_time_max_s']:.3g} s), so their order is within the "
+            f"noise of the measurement{' even after both were measured again' if confirmed else ''}.")
+
+
 def runner_up_text(question: Question, best: pd.Series, runner: pd.Series | None, objective: str) -> str:
     if runner is None:
         return "Only one layout completed: there is no runner-up to compare with."
@@ -225,6 +241,7 @@ def runner_up_text(question: Question, best: pd.Series, runner: pd.Series | None
     text = (f"Trial {runner['trial']} ({runner['layout_short']}) at {objective_text(objective, runner['value'])} "
             f"is {-gap:.1%} {'slower' if objective == 'tokens_per_s' else 'lower'}; it differs in "
             f"{', '.join(differs)}.")
+    text += spread_text(best, runner)
     if not (present(runner["peak_mem_gb"]) and present(best["peak_mem_gb"])):
         return text
     delta = runner["peak_mem_gb"] - best["peak_mem_gb"]

@@ -17,10 +17,13 @@ from optuna.trial import TrialState
 from autotune.config import GIB
 from autotune.layout import KEYS, Layout, parse_layout
 from autotune.record import COMPLETE, FAILED, INTERRUPTED, PRUNED
+from autotune.remeasure import ATTR as REMEASURED
+from autotune.remeasure import merged, step_time_spread
 
 LAYOUT_COLUMNS = list(KEYS)
 CSV_COLUMNS = (["trial", "status", "reason"] + LAYOUT_COLUMNS +
-               ["grad_accum", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_mem_gb",
+               ["grad_accum", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "step_time_min_s",
+                "step_time_max_s", "confirmed", "peak_mem_gb",
                 "predicted_peak_mem_gb", "comm_fraction", "exposed_comm_fraction", "predicted_tokens_per_s",
                 "duration_s", "error"])
 # Columns the HTML report uses besides the CSV's (not in the CSV: its columns are a contract).
@@ -31,10 +34,14 @@ STATE_STATUS = {TrialState.COMPLETE: COMPLETE, TrialState.PRUNED: PRUNED, TrialS
 
 
 def trial_table(study: optuna.Study) -> pd.DataFrame:
-    """Every trial with the CSV's columns and the report's extra ones."""
+    """Every trial with the CSV's columns and the report's extra ones; a re-measured trial
+    (remeasure.py) with the median of its runs."""
     rows = []
+    remeasured = study.user_attrs.get(REMEASURED, {})
+    objective = study.user_attrs.get("question", {}).get("objective", "tokens_per_s")
     for t in study.get_trials(deepcopy=False):
-        a = t.user_attrs
+        runs = remeasured.get(str(t.number), [])
+        a, value = merged(t.user_attrs, t.value if t.state == TrialState.COMPLETE else None, runs, objective)
         row = {"trial": t.number, "status": a.get("status") or STATE_STATUS[t.state],
                "reason": a.get("reason") or (INTERRUPTED if t.state == TrialState.FAIL else None)}
         # Every key, those a layout string leaves at their defaults too (layout.LATER_KEYS).
@@ -49,7 +56,9 @@ def trial_table(study: optuna.Study) -> pd.DataFrame:
         row["layout"] = a.get("layout")
         row["layout_short"] = a.get("layout_short") or (
             Layout(**parse_layout(a["layout"])).short() if "layout" in a else None)
-        row["value"] = t.value if t.state == TrialState.COMPLETE else None
+        row["step_time_min_s"], row["step_time_max_s"] = step_time_spread(a)
+        row["confirmed"] = int(bool(runs))
+        row["value"] = value
         rows.append(row)
     return pd.DataFrame(rows, columns=CSV_COLUMNS + EXTRA_COLUMNS)
 
