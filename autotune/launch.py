@@ -110,8 +110,12 @@ def run_trial(spec: TrialSpec, nprocs: int, timeout_s: float, log_dir: Path | No
     return record
 
 
-def classify(stdout: str, stderr: str, returncode: int, timed_out: bool, timeout_s: float) -> dict:
-    """Turn what the trial printed and how it exited into one outcome record."""
+def classify(stdout: str, stderr: str, returncode: int, timed_out: bool, timeout_s: float,
+             failed_ranks: list[tuple[int, int]] | None = None) -> dict:
+    """Turn what the trial printed and how it exited into one outcome record.
+
+    failed_ranks: (rank, exit code) of the ranks that exited abnormally, where the
+    launcher knows them (the warm pool); else read from torchrun's failure report."""
     tail = _tail(stderr)
     errors = [json.loads(line[len(ERROR_MARKER):]) for line in stderr.splitlines()
               if line.startswith(ERROR_MARKER)]
@@ -119,7 +123,7 @@ def classify(stdout: str, stderr: str, returncode: int, timed_out: bool, timeout
     if results and not timed_out:
         result = json.loads(results[-1])
         if returncode != 0:  # every rank's figures were gathered; a rank failed while shutting down
-            result["warning"] = f"a rank exited abnormally after the result (torchrun exit code {returncode})"
+            result["warning"] = f"a rank exited abnormally after the result (exit code {returncode})"
         return result
     oom = [e for e in errors if e.get("oom")]
     if oom:
@@ -128,7 +132,7 @@ def classify(stdout: str, stderr: str, returncode: int, timed_out: bool, timeout
     if timed_out:
         return _failure(FAILED, TIMEOUT, f"no result after {timeout_s:.0f} s; every process was killed", tail)
     reported = {e["rank"] for e in errors}
-    for rank, code in _failed_ranks(stderr):
+    for rank, code in (failed_ranks if failed_ranks is not None else _failed_ranks(stderr)):
         if rank not in reported:  # died without a Python error: a signal or an explicit exit
             how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
                 else f"exit code {code}"

@@ -44,6 +44,7 @@ from autotune.estimate import Calibration, calibrate, estimate
 from autotune.launch import Launcher, run_trial
 from autotune.layout import Layout
 from autotune.optuna_compat import HEARTBEAT_ATTR
+from autotune.pool import RankPool
 from autotune.progress import Progress, summary_table
 from autotune.record import (
     COMM_BOUND,
@@ -167,6 +168,8 @@ class Controller:
         study.sampler = self.sampler  # the sampler depends on the layouts, known only now
         self.launcher = launcher or Launcher(question.launcher, question.gpus_per_node)
         self.launcher.check(question.gpus)
+        # A local sweep's trials run on warm processes (pool.py); other launchers start fresh ones.
+        self.pool = RankPool() if self.launcher.kind == "local" else None
         self.progress = progress
         self.tally = Tally()
 
@@ -340,9 +343,12 @@ class Controller:
         timeout = max(floor, TIMEOUT_PREDICTION_FACTOR * predicted_run) if math.isfinite(predicted_run) else floor
         timeout = self.q.trial_timeout_s or timeout
         trial_dir = self.out / "trials" / str(number)
-        if again:  # a re-measurement: its own logs beside the first run's
+        if again:  # a re-measurement, in fresh processes: its own logs beside the first run's
             trial_dir = trial_dir / f"again-{len(list(trial_dir.glob('again-*'))) + 1}"
-        record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir, launcher=self.launcher)
+        if self.pool is not None and not again:
+            record = self.pool.run(spec, self.q.gpus, timeout, trial_dir)
+        else:
+            record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir, launcher=self.launcher)
         (trial_dir / "result.json").write_text(json.dumps(record, indent=2))
         return record
 
@@ -473,12 +479,16 @@ def sweep(controller: Controller, title: str, resume_hint: str, console=None, re
             controller.progress = progress
             try:
                 controller.run()
+                if controller.pool is not None:
+                    controller.pool.close()  # the cores are the re-measurements' now
                 if remeasure_leaders:
                     controller.remeasure_leaders()
             except KeyboardInterrupt:
                 interrupted = True
     finally:
         controller.claim.close()
+        if controller.pool is not None:
+            controller.pool.close()
     stopped = None if interrupted else controller.tally.stopped
     if stopped:
         controller.study.set_user_attr("stopped", stopped)  # the report says it too

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 # failure on stderr.
 RESULT_MARKER = "AUTOTUNE_RESULT "
 ERROR_MARKER = "AUTOTUNE_ERROR "
+# A pooled rank (runtime/pool_rank.py) has finished its trial and waits for the next.
+DONE_MARKER = "AUTOTUNE_DONE"
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:

@@ -80,7 +80,7 @@ def wait_for(predicate, timeout):
 def test_resume_after_sigkill_measures_no_layout_twice(tmp_path):
     out_dir = tmp_path / "resume"
     args = RUN + ["--gpus", "2", "--sampler", "grid", "--trials", "4", "--steps", "1", "--warmup", "0",
-                  "--out", str(out_dir)]
+                  "--confirm", "0", "--out", str(out_dir)]  # figures as first measured: none re-measured
     first = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def finished_trials():

@@ -39,6 +39,7 @@ def slow_choice(sample_relative, seconds):
 
 
 study.run_trial = fake_run_trial
+study.RankPool = lambda: None  # no warm pool: every trial goes through the fake run_trial
 if os.environ.get("FAKE_CHOOSE_S"):
     samplers.LayoutSampler.sample_relative = slow_choice(samplers.LayoutSampler.sample_relative,
                                                          float(os.environ["FAKE_CHOOSE_S"]))
