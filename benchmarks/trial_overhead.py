@@ -18,6 +18,13 @@ space's steps and warm-up by default) --repeat times per N and splits each:
                teardown
 
 Medians over the repeats; the overhead share is (trial - measured) / trial.
+
+Then a sweep, as a user runs one (its trials on the warm pool of rank processes,
+autotune/pool.py): `autotune run --model tiny --gpus N --space quick --sampler grid
+--trials T --steps 5 --warmup 2 --confirm 0`, and the share of its wall time spent
+outside the measured steps of its trials (1 - the sum of every trial's measured steps /
+the command's wall time; the controller's start-up, the estimator, every launch, warm-up
+and read-back count as outside).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,11 +59,29 @@ def run_trial(gpus: int, steps: int, warmup: int) -> dict:
             "rest": result["duration_s"] - measured - warm}
 
 
+def run_sweep(gpus: int, trials: int, steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        command = [str(Path(sys.executable).with_name("autotune")), "run", "--model", "tiny", "--gpus", str(gpus),
+                   "--space", "quick", "--sampler", "grid", "--trials", str(trials), "--steps", str(steps),
+                   "--warmup", str(warmup), "--confirm", "0", "--out", out]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(command)}: exit {done.returncode}: {done.stderr[-2000:]}")
+        results = [json.loads(p.read_text()) for p in Path(out, "trials").glob("*/result.json")]
+    measured = sum(sum(r.get("step_times_s") or []) for r in results)
+    per_trial = statistics.median(r["duration_s"] for r in results)
+    return {"wall": wall, "trials": len(results), "measured": measured, "per_trial": per_trial,
+            "outside": 1 - measured / wall}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sweep-trials", type=int, default=6, help="trials of each sweep (default 6)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -69,6 +95,12 @@ def main() -> None:
         rows.append(f"| {gpus} | {med['command']:.1f} | {med['trial']:.1f} | {med['measured']:.2f} | "
                     f"{med['warmup']:.2f} | {med['rest']:.1f} | {med['trial'] - med['measured']:.1f} | "
                     f"**{share:.0%}** |")
+    sweeps = []
+    for gpus in PROCESSES:
+        sweep = run_sweep(gpus, args.sweep_trials, 5, 2)
+        print(f"{gpus} processes, sweep: " + ", ".join(f"{k} {v:.2f}" for k, v in sweep.items()), flush=True)
+        sweeps.append(f"| {gpus} | {sweep['trials']} | {sweep['wall']:.1f} | {sweep['per_trial']:.1f} | "
+                      f"{sweep['measured']:.1f} | **{sweep['outside']:.0%}** |")
     text = f"""## Trial overhead on the CPU (`trial_overhead.py`)
 
 Wall time of a trial outside its measured steps: `autotune trial --model tiny --gpus N
@@ -81,6 +113,14 @@ initialisation, profile read-back and teardown. {today()}, {machine()}; {(time.p
 | processes | command | trial | measured | warm-up | rest | overhead (trial - measured) | overhead share of the trial |
 |---:|---:|---:|---:|---:|---:|---:|---:|
 {chr(10).join(rows)}
+
+A sweep on the warm pool: `autotune run --model tiny --gpus N --space quick --sampler grid --trials
+{args.sweep_trials} --steps 5 --warmup 2 --confirm 0`; `wall` the command's, `per trial` the median
+trial's duration_s, `measured` the sum of every trial's measured steps, seconds.
+
+| processes | trials | wall | per trial | measured | outside the measured steps |
+|---:|---:|---:|---:|---:|---:|
+{chr(10).join(sweeps)}
 """
     print(text)
     if not args.no_write:
