@@ -345,9 +345,18 @@ class Controller:
         trial_dir = self.out / "trials" / str(number)
         if again:  # a re-measurement, in fresh processes: its own logs beside the first run's
             trial_dir = trial_dir / f"again-{len(list(trial_dir.glob('again-*'))) + 1}"
+        record = None
         if self.pool is not None and not again:
             record = self.pool.run(spec, self.q.gpus, timeout, trial_dir)
-        else:
+            if record["status"] != COMPLETE:
+                # The pool was replaced; the outcome that is kept is a fresh launch's, so that
+                # nothing a warm process carried from an earlier trial can fail a layout.
+                (trial_dir / "pooled").mkdir(exist_ok=True)
+                for name in ("stdout.log", "stderr.log"):
+                    if (trial_dir / name).exists():
+                        os.replace(trial_dir / name, trial_dir / "pooled" / name)
+                record = None
+        if record is None:
             record = run_trial(spec, self.q.gpus, timeout_s=timeout, log_dir=trial_dir, launcher=self.launcher)
         (trial_dir / "result.json").write_text(json.dumps(record, indent=2))
         return record

@@ -46,6 +46,7 @@ class Replay:
         self.records = records or {}
         self.calibrations: dict = {}
         study_module.run_trial = self.run_trial
+        study_module.RankPool = lambda: None  # every launch through the look-up, no warm pool
         study_module.write_csv = lambda study, path: None
         study_module.valid_layouts = lambda model, gpus, space, gpus_per_node=None: self.layouts
         study_module.calibrate = self.calibrate

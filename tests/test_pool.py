@@ -29,13 +29,15 @@ def pids(pool: RankPool) -> list[int]:
     return [p.pid for p in pool.procs]
 
 
-def test_a_pooled_trial_gives_a_fresh_trials_losses_and_peak_whatever_ran_before(pool, tmp_path):
-    before = pool.run(spec("tp=2,sp=1"), 2, 300, tmp_path)
-    assert before["status"] == "complete", before
+@pytest.mark.parametrize("measured", ["dp=2,zero=1,mbs=2", "tp=2,sp=1,mbs=2"])
+def test_a_pooled_trial_gives_a_fresh_trials_losses_and_peak_whatever_ran_before(pool, tmp_path, measured):
+    for before in ("tp=2,sp=1", "pp=2,schedule=zbv", "cp=2", "dp=2,zero=3"):  # every kind of group and hook
+        record = pool.run(spec(before), 2, 300, tmp_path)
+        assert record["status"] == "complete", (before, record)
     warm = pids(pool)
-    pooled = pool.run(spec("dp=2,zero=1,mbs=2"), 2, 300, tmp_path)
-    assert pids(pool) == warm and pool.trials_run == 2  # the same processes, torch already imported
-    fresh = run_trial(spec("dp=2,zero=1,mbs=2"), 2, 300)
+    pooled = pool.run(spec(measured), 2, 300, tmp_path)
+    assert pids(pool) == warm and pool.trials_run == 5  # the same processes, torch already imported
+    fresh = run_trial(spec(measured), 2, 300)
     assert pooled["status"] == fresh["status"] == "complete", (pooled, fresh)
     assert pooled["losses"] == fresh["losses"]
     # within 0.5%: seen equal to 16 bytes of 7.9 MB (a fresh process makes a few small

@@ -71,6 +71,7 @@ def controller(tmp_path, monkeypatch, **question):
         return {"status": "complete", "reason": None, "tokens_per_s": speed, "step_time_s": tokens / speed,
                 "comm_fraction": 0.0, "exposed_comm_fraction": 0.0, "world_size": nprocs, "losses": [1.0]}
     monkeypatch.setattr(study_module, "run_trial", run_trial)
+    monkeypatch.setattr(study_module, "RankPool", lambda: None)  # every launch through run_trial above
     monkeypatch.setattr(study_module, "write_csv", lambda study, path: None)
     hardware = load_hardware("h100-sxm")
     q = Question(model=dataclasses.asdict(TINY), gpus=4, space=dataclasses.asdict(load_space("quick")),
