@@ -294,10 +294,11 @@ class Controller:
         launched = sorted((t for t in trials if counts_as_launch(t) and t.user_attrs.get("status")),
                           key=lambda t: t.number)
         values = [t.value if t.state == TrialState.COMPLETE else None for t in launched]
-        if stopping.trials_since_improvement(values)[1] < stopping.PATIENCE:
+        patience = stopping.patience_for(len(self.layouts))
+        if stopping.trials_since_improvement(values)[1] < patience:
             return None  # cheap test first: the estimator is consulted only when it may stop
         score = self.scorer(self.study)  # the model sampler's (fits, predicted objective)
-        return stopping.stop_reason(values, [value for fits, value in map(score, untaken) if fits])
+        return stopping.stop_reason(values, [value for fits, value in map(score, untaken) if fits], patience)
 
     @staticmethod
     def launches(trials: list) -> int:

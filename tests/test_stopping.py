@@ -97,3 +97,7 @@ def test_exhaustive_trials_and_time_budget_each_say_why_they_stopped(tmp_path, m
     assert c.run().stopped == "--trials 3 launched" and len(launched) == 3
     c, launched = controller(tmp_path / "c", monkeypatch, time_budget_s=1e-9)
     assert c.run().stopped == "--time-budget 1e-09 s spent" and launched == []
+
+
+def test_a_small_space_waits_a_quarter_of_its_layouts_at_most():
+    assert [stopping.patience_for(n) for n in (4, 12, 20, 40, 41, 294, 5000)] == [3, 3, 5, 10, 10, 10, 10]
