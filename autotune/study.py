@@ -61,7 +61,7 @@ from autotune.record import (
     holds_layout,
 )
 from autotune.report import write_csv, write_reports
-from autotune.report.table import trial_table
+from autotune.report.table import ranked
 from autotune.samplers import GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler, layout_from_params
 from autotune.space import valid_layouts
 from autotune.storage import Claim, load_study, open_storage, optuna_quiet, redact
@@ -509,8 +509,7 @@ def sweep(controller: Controller, title: str, resume_hint: str, console=None, re
         return 130
     if stopped:
         console.print(f"stopped: {stopped}")
-    table = trial_table(controller.study)  # re-measured trials at the median of their runs
-    complete = table[table["status"] == COMPLETE].sort_values(["value", "trial"], ascending=[False, True])
+    complete = ranked(frame)  # re-measured trials at the median of their runs
     if len(complete):
         best = complete.iloc[0]
         confirmed = ", confirmed" if best["confirmed"] else ""

@@ -19,24 +19,24 @@ from pathlib import Path
 import optuna
 import pandas as pd
 
-from autotune.record import COMPLETE, Question
+from autotune.record import Question
 from autotune.report.best import write_best
 from autotune.report.html import render_report
-from autotune.report.table import trial_table, write_csv
+from autotune.report.table import ranked, trial_table, write_csv
 
 
 def write_reports(study: optuna.Study, out: Path) -> pd.DataFrame:
-    """trials.csv, report.html and best/ (when a trial completed) in `out`; returns the CSV's frame."""
+    """trials.csv, report.html and best/ (when a trial completed) in `out`; returns the trial
+    table they were written from (the CSV's columns and the report's)."""
     out.mkdir(parents=True, exist_ok=True)
-    frame = write_csv(study, out / "trials.csv")
     table = trial_table(study)
+    write_csv(study, out / "trials.csv", table)
     question = Question.from_study(study)
     write_text(out / "report.html", render_report(study, question, table))
-    complete = table[table["status"] == COMPLETE]
+    complete = ranked(table)
     if len(complete):
-        best = complete.sort_values(["value", "trial"], ascending=[False, True]).iloc[0]
-        write_best(out / "best", question, best)
-    return frame
+        write_best(out / "best", question, complete.iloc[0])
+    return table
 
 
 def write_text(path: Path, text: str) -> None:

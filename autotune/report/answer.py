@@ -16,6 +16,7 @@ import pandas as pd
 
 from autotune.record import COMPLETE, Question
 from autotune.report.table import LAYOUT_COLUMNS
+from autotune.report.table import ranked as ranked_trials
 from autotune.schedules import SCHEDULES
 
 # Rules of thumb, as practitioners state them.
@@ -73,7 +74,7 @@ def outcome(row) -> str:
 
 def answer(question: Question, table: pd.DataFrame) -> Answer:
     objective = question.objective
-    ranked = table[table["status"] == COMPLETE].sort_values(["value", "trial"], ascending=[False, True])
+    ranked = ranked_trials(table)
     best = ranked.iloc[0] if len(ranked) else None
     runner_up = ranked.iloc[1] if len(ranked) > 1 else None
     result = Answer(objective, best, runner_up, ranked)

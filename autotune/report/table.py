@@ -63,13 +63,15 @@ def trial_table(study: optuna.Study) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=CSV_COLUMNS + EXTRA_COLUMNS)
 
 
-def trial_rows(study: optuna.Study) -> pd.DataFrame:
-    return trial_table(study)[CSV_COLUMNS]
+def ranked(table: pd.DataFrame) -> pd.DataFrame:
+    """The complete trials, best first (ties: the earlier trial)."""
+    return table[table["status"] == COMPLETE].sort_values(["value", "trial"], ascending=[False, True])
 
 
-def write_csv(study: optuna.Study, path: Path) -> pd.DataFrame:
-    """Write atomically (temp file + rename): a reader never sees half a CSV."""
-    frame = trial_rows(study)
+def write_csv(study: optuna.Study, path: Path, table: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Write atomically (temp file + rename): a reader never sees half a CSV. `table`: the
+    study's trial_table when the caller has it already."""
+    frame = (trial_table(study) if table is None else table)[CSV_COLUMNS]
     tmp = path.with_suffix(".csv.tmp")
     frame.to_csv(tmp, index=False)
     os.replace(tmp, path)

@@ -88,12 +88,13 @@ class EventTable:
 
     # -- masks, from each distinct name once --------------------------------------------------
 
-    def _by_name(self, test) -> np.ndarray:
+    def by_name(self, test) -> np.ndarray:
+        """Whether each event's name passes `test`, asked once per distinct name."""
         per_name = np.array([bool(test(name)) for name in self.names], dtype=bool)
         return per_name[self.code] if len(self.code) else np.zeros(0, dtype=bool)
 
     def named(self, *prefixes: str) -> np.ndarray:
-        return self._by_name(lambda name: name.startswith(prefixes))
+        return self.by_name(lambda name: name.startswith(prefixes))
 
     def kernels(self) -> np.ndarray:
         is_kernel = np.array([k == "kernel" for k in self.kind_names], dtype=bool)
@@ -101,13 +102,13 @@ class EventTable:
 
     def communication(self) -> np.ndarray:
         """is_communication, for every event at once."""
-        nccl = self._by_name(lambda name: name.lower().startswith("nccl"))
+        nccl = self.by_name(lambda name: name.lower().startswith("nccl"))
         return (~self.cuda & self.named(GLOO_PREFIX)) | (self.kernels() & nccl)
 
     def gloo_worker_threads(self) -> set[int]:
         """The threads gloo runs its collectives on (point-to-point transfers show on the
         thread that posted them, which computes too)."""
-        collective = self._by_name(lambda name: name.startswith(GLOO_PREFIX) and name not in GLOO_POINT_TO_POINT)
+        collective = self.by_name(lambda name: name.startswith(GLOO_PREFIX) and name not in GLOO_POINT_TO_POINT)
         return set(np.unique(self.thread[~self.cuda & collective]).tolist())
 
     def intervals(self, mask: np.ndarray) -> list[Interval]:
@@ -134,18 +135,16 @@ def read_events(result, with_device: bool) -> EventTable:
         all_names = [e.name() for e in events]
         devices = [e.device_type() == DeviceType.CUDA for e in events] if with_device else None
         names = _Codes()
-        codes = [names[name] for name in all_names]
+        codes = np.array([names[name] for name in all_names], dtype=np.int64)
         read_on_cpu = np.array([name.startswith(CPU_PREFIXES) for name in names.values], dtype=bool)
         cuda = np.array(devices, dtype=bool) if devices is not None else np.zeros(len(events), dtype=bool)
-        keep = np.flatnonzero(cuda | read_on_cpu[np.array(codes, dtype=np.int64)]) if events else []
+        keep = np.flatnonzero(cuda | read_on_cpu[codes])
         kept = [events[i] for i in keep]
         kinds = _Codes()
-        kind = [kinds[e.activity_type()] for e in kept]
+        kind = np.array([kinds[e.activity_type()] for e in kept], dtype=np.int64)
         times = np.array([(e.start_ns(), e.end_ns(), e.start_thread_id()) for e in kept], dtype=np.int64)
         times = times.reshape(-1, 3)
-        return EventTable(names=names.values, code=np.array(codes, dtype=np.int64)[keep] if events else
-                          np.zeros(0, dtype=np.int64),
-                          kind_names=kinds.values, kind=np.array(kind, dtype=np.int64), cuda=cuda[keep],
+        return EventTable(names=names.values, code=codes[keep], kind_names=kinds.values, kind=kind, cuda=cuda[keep],
                           thread=times[:, 2], start=times[:, 0], end=times[:, 1])
 
 
@@ -164,8 +163,9 @@ class paused_gc:
 
 
 def union_arrays(starts: np.ndarray, ends: np.ndarray) -> list[Interval]:
-    """profiling.union over arrays: sorted by start, a new interval begins where a start
-    lies past every earlier end (touching intervals merge)."""
+    """Sorted, disjoint intervals covering the same time as [starts, ends): sorted by
+    start, a new interval begins where a start lies past every earlier end (touching
+    intervals merge)."""
     keep = ends > starts
     starts, ends = starts[keep], ends[keep]
     if not len(starts):

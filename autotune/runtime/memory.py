@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from autotune.runtime.event_table import union_arrays
+from autotune.runtime.event_table import paused_gc, union_arrays
 from autotune.runtime.torch_compat import ProfilerEventType, is_traceable_wrapper_subclass
 
 SCRATCH_OPERATORS = "c10d::"  # a backend's collective: what it allocates inside is its own
@@ -67,18 +67,20 @@ def memory_events(result, events) -> list[MemoryEvent]:
     `events`: the profile's EventTable (runtime/event_table.py), whose `c10d::` operators
     say, by their spans on each thread, which allocations they made: an allocation is a
     child of the operator it happened in, on the same thread, inside its span."""
-    nodes, stack = [], list(result.experimental_event_tree())
-    pop, extend, keep, allocation = stack.pop, stack.extend, nodes.append, ProfilerEventType.Allocation
-    while stack:  # every node once, reading only its tag (10^5 nodes a step)
-        node = pop()
-        if node.tag == allocation:
-            keep(node)
-        else:
-            extend(node.children)
-    # A CPU trial's profile: every allocation is on the CPU (a GPU's are not read here).
-    fields = [node.extra_fields for node in nodes]
-    allocations = list(zip([node.start_time_ns for node in nodes], [f.total_allocated for f in fields],
-                           [f.alloc_size for f in fields], [f.ptr for f in fields], [node.start_tid for node in nodes]))
+    with paused_gc():
+        nodes, stack = [], list(result.experimental_event_tree())
+        pop, extend, keep, allocation = stack.pop, stack.extend, nodes.append, ProfilerEventType.Allocation
+        while stack:  # every node once, reading only its tag (10^5 nodes a step)
+            node = pop()
+            if node.tag == allocation:
+                keep(node)
+            else:
+                extend(node.children)
+        # A CPU trial's profile: every allocation is on the CPU (a GPU's are not read here).
+        fields = [node.extra_fields for node in nodes]
+        allocations = list(zip([node.start_time_ns for node in nodes], [f.total_allocated for f in fields],
+                               [f.alloc_size for f in fields], [f.ptr for f in fields],
+                               [node.start_tid for node in nodes]))
     if not allocations:
         return []
     times = np.array([a[0] for a in allocations], dtype=np.int64)

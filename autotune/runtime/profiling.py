@@ -41,26 +41,17 @@ from autotune.runtime.event_table import (
     Event,
     EventTable,
     Interval,
-    is_communication,
-    paused_gc,
     read_events,
+    union_arrays,
 )
 from autotune.runtime.memory import levels, live_tensor_bytes, memory_events, rank_peak, step_peaks
-
-__all__ = ["STEP_EVENT", "Event", "EventTable", "is_communication", "analyze", "StepProfiler", "StepTimer"]
-
 
 # -- interval arithmetic -----------------------------------------------------------------------
 
 def union(intervals) -> list[Interval]:
     """Sorted, disjoint intervals covering exactly the same time as the input."""
-    merged: list[list[int]] = []
-    for start, end in sorted(i for i in intervals if i[1] > i[0]):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
+    pairs = np.array(list(intervals), dtype=np.int64).reshape(-1, 2)
+    return union_arrays(pairs[:, 0], pairs[:, 1])
 
 
 def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
@@ -108,7 +99,7 @@ def as_table(events) -> EventTable:
 
 def step_spans(events) -> list[Interval]:
     table = as_table(events)
-    mask = ~table.cuda & table._by_name(lambda name: name == STEP_EVENT)
+    mask = ~table.cuda & table.by_name(lambda name: name == STEP_EVENT)
     return sorted(zip(table.start[mask].tolist(), table.end[mask].tolist()))
 
 
@@ -291,8 +282,7 @@ class StepProfiler:
         if self.device.type == "cuda":
             peaks, resident, source = self._cuda_step_peaks, self._resident, "allocator statistics"
         else:
-            with paused_gc():
-                memory = memory_events(result, self.events)
+            memory = memory_events(result, self.events)
             resident = self._resident
             if self.allocator_tracked and memory:
                 resident = memory[0].total - memory[0].size

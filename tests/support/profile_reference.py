@@ -13,8 +13,19 @@ from torch.autograd import DeviceType
 
 from autotune.runtime.event_table import CPU_PREFIXES, GLOO_POINT_TO_POINT, STEP_EVENT, Event, is_communication
 from autotune.runtime.memory import SCRATCH_OPERATORS, MemoryEvent, levels, step_peaks
-from autotune.runtime.profiling import BLOCKING_COMM_PREFIXES, intersect, subtract, total, union
+from autotune.runtime.profiling import BLOCKING_COMM_PREFIXES, intersect, subtract, total
 from autotune.runtime.torch_compat import ProfilerEventType
+
+
+def union(intervals) -> list[tuple[int, int]]:
+    """The interval union as it was, one interval at a time."""
+    merged: list[list[int]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
 
 
 def read_events(result) -> list[Event]:

@@ -149,14 +149,8 @@ def freed_elsewhere(rank: int):
 
 def _worker(rank: int, world_size: int, store_path: str, cases: list, warmup: int, steps: int,
             out_dir: str) -> None:
-    from autotune.runtime.profiling import (
-        StepProfiler,
-        communication_intervals,
-        intersect,
-        is_communication,
-        step_spans,
-        total,
-    )
+    from autotune.runtime.event_table import is_communication
+    from autotune.runtime.profiling import StepProfiler, communication_intervals, intersect, step_spans, total
     from autotune.runtime.torch_compat import track_cpu_allocations
 
     torch.set_num_threads(1)
