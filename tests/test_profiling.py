@@ -152,6 +152,22 @@ def test_a_free_the_profiler_did_not_record_still_lowers_the_level():
     assert [level for _, level in levels(events, 1000)] == [1100, 1100]
 
 
+def test_scratch_freed_unseen_stops_counting_where_the_total_falls_by_its_size():
+    events = memory_stream((1, 100, 0xA, False), (2, 70, 0xC, True),
+                           (3, -70, None, None),  # gloo's worker thread frees 0xC: no event
+                           (4, 30, 0xD, False), (5, 20, 0xE, False))
+    assert [level for _, level in levels(events, 1000)] == [1100, 1100, 1130, 1150]
+    # The fall matches no scratch block of its size: the block stays counted (safe side).
+    events = memory_stream((1, 70, 0xC, True), (2, -60, None, None), (3, 30, 0xD, False))
+    assert [level for _, level in levels(events, 1000)] == [1070, 1040]
+
+
+def test_a_scratch_address_handed_out_again_was_freed_before():
+    events = memory_stream((1, 70, 0xC, True), (2, -70, None, None),  # 0xC freed unseen
+                           (3, 40, 0xC, True), (4, -40, 0xC, True), (5, 10, 0xD, False))
+    assert [level for _, level in levels(events, 1000)] == [1000, 1000, 1000, 1010]
+
+
 def test_each_step_peaks_inside_its_span_and_a_rank_takes_the_median():
     timeline = [(1, 1100), (2, 1050), (12, 1300), (14, 1000), (22, 1040)]
     assert step_peaks(timeline, [(0, 10), (10, 20), (20, 30), (30, 40)], start_level=1000) == [1100, 1300, 1040, 1040]

@@ -25,11 +25,15 @@ this way:
   `c10d::_allgather_base_` call on the calling thread (147,968 bytes per tiny block at
   zero=3: 20 MB over one step). Allocations on gloo's worker threads and inside `c10d::`
   operators are therefore excluded from the level between their allocation and their
-  free; one whose free the profiler did not see stays counted, on the safe side.
-- What remains varies only by when gloo's thread lets go of a finished collective: at
-  zero=3 on tiny a step's peak is 6.00 or 6.08 MB (a late-freed root buffer), at tp=2 it
-  is 4,398,860 bytes in every step of every run, the same as a run whose collectives
-  complete synchronously (torch's fake process group). Hence the median over steps.
+  free.
+- Which thread frees a scratch block is a race: the calling thread when it drops its
+  handle last (the free is recorded), gloo's worker thread when it does (not recorded).
+  Counting an unrecorded one as live until the end made a step's peak one of several
+  values: u2 (benchmarks/estimator_accuracy.py) at dp=2 zero=3 measured 19.2-21.7 MB per
+  step, 20.0-20.9 MB per trial. The total shows the unrecorded free: it falls by the
+  block's size with no event to explain it (levels), and the block stops counting there.
+  The same layout now measures 19,999,456 or 20,038,876 bytes in every trial (0.2%).
+  The median over steps stays, for what is left (a block freed together with another).
 Without the flag (a torch build whose c10 library does not export it) the level is the
 tensors Python reaches when measuring starts plus the running sum of the recorded
 events, which over-counts as described; the result then says so (`memory_source`).
@@ -103,27 +107,62 @@ def memory_events(result, events) -> list[MemoryEvent]:
 
 def levels(events: list[MemoryEvent], start_level: int) -> list[tuple[int, int]]:
     """(time, bytes of live tensors) after each event: start_level plus the allocator's
-    change since the first event, less the backend scratch alive at that moment (a
-    scratch block counts as scratch from its allocation to its free only where both
-    were recorded)."""
+    change since the first event, less the backend scratch alive at that moment.
+
+    A scratch block counts as scratch from its allocation to its free. Where the profiler
+    did not record the free (gloo's worker thread let go of the block), the free is where
+    the allocator's total fell by the block's size with no recorded event to explain it
+    (unrecorded_frees), the block being the latest open one of that size; a block the
+    total never shows leaving stays counted, on the safe side."""
     if not events:
         return []
-    closed, open_scratch = set(), {}
-    for i, e in enumerate(events):
-        if e.size > 0 and e.scratch:
-            open_scratch[e.ptr] = i
-        elif e.size < 0 and e.ptr in open_scratch:
-            closed.add(open_scratch.pop(e.ptr))
+    freed_at = scratch_lifetimes(events)
     base = events[0].total - events[0].size
-    live_scratch, scratch_bytes, out = {}, 0, []
+    change = np.zeros(len(events) + 1, dtype=np.int64)
+    for allocated, freed in freed_at.items():
+        change[allocated] -= events[allocated].size
+        change[freed] += events[allocated].size
+    scratch_bytes = np.cumsum(change[:-1]).tolist()
+    return [(e.time_ns, start_level + e.total - base + scratch) for e, scratch in zip(events, scratch_bytes)]
+
+
+def scratch_lifetimes(events: list[MemoryEvent]) -> dict[int, int]:
+    """{index of a scratch allocation: index of the event at which it is gone}: its
+    recorded free, else the first unexplained fall of the total by its size while it
+    could still be alive (before its address was handed out again)."""
+    freed_at, open_blocks, unrecorded = {}, {}, []  # unrecorded: (allocated, address reused at)
     for i, e in enumerate(events):
-        if e.size > 0 and i in closed:
-            live_scratch[e.ptr] = e.size
-            scratch_bytes += e.size
-        elif e.size < 0 and e.ptr in live_scratch:
-            scratch_bytes -= live_scratch.pop(e.ptr)
-        out.append((e.time_ns, start_level + e.total - base - scratch_bytes))
-    return out
+        if e.size > 0 and e.ptr in open_blocks:  # the address again: the block went unseen
+            unrecorded.append((open_blocks.pop(e.ptr), i))
+        if e.size > 0 and e.scratch:
+            open_blocks[e.ptr] = i
+        elif e.size < 0 and e.ptr in open_blocks:
+            freed_at[open_blocks.pop(e.ptr)] = i
+    unrecorded += [(allocated, len(events)) for allocated in open_blocks.values()]
+    if not unrecorded:
+        return freed_at
+    candidates: dict[int, list[tuple[int, int]]] = {}
+    for allocated, deadline in sorted(unrecorded):
+        candidates.setdefault(events[allocated].size, []).append((allocated, deadline))
+    for i, fall in unrecorded_frees(events):
+        blocks = candidates.get(fall, [])
+        for k in range(len(blocks) - 1, -1, -1):  # the latest allocated that can be the one
+            allocated, deadline = blocks[k]
+            if allocated < i <= deadline:
+                freed_at[allocated] = i
+                del blocks[k]
+                break
+    return freed_at
+
+
+def unrecorded_frees(events: list[MemoryEvent]) -> list[tuple[int, int]]:
+    """(index, bytes) where the allocator's total after an event is below the total
+    before it plus its size: blocks freed in between without a recorded event."""
+    totals = np.array([e.total for e in events], dtype=np.int64)
+    sizes = np.array([e.size for e in events], dtype=np.int64)
+    falls = totals[:-1] + sizes[1:] - totals[1:]
+    where = np.flatnonzero(falls > 0)
+    return list(zip((where + 1).tolist(), falls[where].tolist()))
 
 
 def step_peaks(timeline: list[tuple[int, int]], spans: list[tuple[int, int]], start_level: int) -> list[int]:
