@@ -20,6 +20,7 @@ from rich.table import Table
 from autotune.config import (
     DTYPES,
     GIB,
+    GRAD_DTYPES,
     as_trained,
     hardware_for_device_name,
     hardware_presets,
@@ -121,6 +122,9 @@ def add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, type=dtype_option, metavar="|".join(DTYPES),
                    help="train in this precision instead of the model's (default: the model's on CUDA, fp32 on the "
                         "CPU; --dtype bf16 on the CPU runs the GPU's mixed-precision plan)")
+    p.add_argument("--grad-dtype", default=None, choices=GRAD_DTYPES, metavar="|".join(GRAD_DTYPES),
+                   help="accumulate, reduce and keep gradients in this precision: fp32, or the compute dtype, "
+                        "as Megatron-LM without grad_reduce_in_fp32 (default: the model's grad_dtype, fp32)")
 
 
 def build_parser() -> Parser:
@@ -244,6 +248,7 @@ def cmd_run(args) -> int:
 
     model = load_model(args.model)
     check_trainable(model)
+    as_trained(model, args.device, args.dtype, args.grad_dtype)  # --grad-dtype against the dtype, before any study
     space = load_space(args.space)
     hardware = load_hardware(args.hardware or default_hardware(args.device))
     if args.gpus_per_node is not None:
@@ -265,7 +270,7 @@ def cmd_run(args) -> int:
         warmup=args.warmup if args.warmup is not None else options.get("warmup", 2), seed=args.seed,
         gpus_per_node=args.gpus_per_node or hardware.gpus_per_host, launcher=args.launcher,
         trials=args.trials, time_budget_s=args.time_budget, peak_tflops=args.peak_tflops,
-        trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat, dtype=args.dtype,
+        trial_timeout_s=args.trial_timeout, heartbeat_s=args.heartbeat, dtype=args.dtype, grad_dtype=args.grad_dtype,
         exhaustive=args.exhaustive, confirm=args.confirm)
     Launcher(question.launcher, question.gpus_per_node, args.hosts).check(args.gpus)  # before the study exists
     out = Path(args.out or f"results/{model.name}-{args.gpus}gpus")
@@ -293,7 +298,8 @@ def cmd_trial(args) -> int:
     check_trainable(model)
     launcher = Launcher(args.launcher, args.gpus_per_node, args.hosts)
     launcher.check(args.gpus)
-    spec = TrialSpec(model=dataclasses.asdict(as_trained(model, args.device, args.dtype)), layout=str(layout),
+    spec = TrialSpec(model=dataclasses.asdict(as_trained(model, args.device, args.dtype, args.grad_dtype)),
+                     layout=str(layout),
                      steps=args.steps,
                      warmup=args.warmup, seed=args.seed, device=args.device,
                      memory_budget_gb=args.memory_budget_gb, hardware=args.hardware,
@@ -390,7 +396,8 @@ def cmd_estimate(args) -> int:
     budget = budget_bytes(hardware, args.memory_budget_gb)
     if args.layout is not None:
         layout = resolve(args.layout, model, args.gpus, hardware.scale_up_gpus)
-        result = estimate(model, layout, hardware, budget, device=device, dtype=args.dtype)
+        result = estimate(model, layout, hardware, budget, device=device, dtype=args.dtype,
+                          grad_dtype=args.grad_dtype)
         if args.json:
             print(json.dumps(result.to_dict(), indent=2))
         else:
@@ -400,7 +407,8 @@ def cmd_estimate(args) -> int:
     if not layouts:
         raise UsageError(f"gpus: no valid layout of {model.name} on {args.gpus} GPUs "
                          f"({hardware.scale_up_gpus} per scale-up domain)")
-    ranked = rank_estimates([estimate(model, layout, hardware, budget, device=device, dtype=args.dtype)
+    ranked = rank_estimates([estimate(model, layout, hardware, budget, device=device, dtype=args.dtype,
+                          grad_dtype=args.grad_dtype)
                              for layout in layouts])
     if args.json:
         print(json.dumps({"model": model.name, "gpus": args.gpus, "hardware": hardware.name, "device": device,

@@ -37,6 +37,10 @@ DTYPE_SPELLINGS = {
     "fp8_hybrid": "fp8",  # Transformer Engine's e4m3 forward, e5m2 gradients: torchao's recipes do the same
     "mxfp8": "mxfp8", "mx_fp8": "mxfp8", "mxfp8_e4m3": "mxfp8",
 }
+# What the gradients are accumulated, reduced and kept in under mixed precision: fp32 (the
+# default, Megatron-LM's `grad_reduce_in_fp32`, torchtitan's `mixed_precision_reduce`), or
+# the compute dtype (bf16 or fp16), as NVIDIA's Megatron-Bridge performance recipes train.
+GRAD_DTYPES = ("fp32", "bf16", "fp16")
 # Precisions people train in that this tool does not: named so that the refusal says so.
 UNTRAINED_DTYPES = ("nvfp4", "mxfp4", "fp4", "mxfp6", "fp6", "int8", "int4", "fp64", "float64", "tf32")
 
@@ -52,6 +56,23 @@ def parse_dtype(value, field: str = "dtype") -> str:
                          f"(it trains {', '.join(DTYPES)})")
     raise UsageError(f"{field}: must be one of {', '.join(DTYPES)} (or bfloat16, float16, float32, fp8_e4m3), "
                      f"got {value!r}")
+
+
+def compute_dtype_name(dtype: str) -> str:
+    """The dtype a model trained in `dtype` computes in: fp8 and mxfp8 compute in bf16."""
+    return "bf16" if dtype in ("fp8", "mxfp8") else dtype
+
+
+def parse_grad_dtype(value, dtype: str, field: str = "grad_dtype") -> str:
+    """The gradients' precision (GRAD_DTYPES) for a model trained in `dtype`: fp32, or the
+    compute dtype itself (bf16 gradients of an fp16 model, or below fp32 in an fp32 one,
+    are refused: no framework trains so)."""
+    allowed = sorted({"fp32", compute_dtype_name(dtype)})
+    key = value.strip().lower().replace("-", "_") if isinstance(value, str) else None
+    name = DTYPE_SPELLINGS.get(key)
+    if name not in allowed:
+        raise UsageError(f"{field}: with dtype {dtype} must be {' or '.join(allowed)}, got {value!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -139,6 +160,7 @@ class ModelConfig:
     num_kv_heads: int | None = None  # None: same as num_heads (no GQA)
     head_dim: int | None = None  # None: hidden_size // num_heads
     dtype: str = "bf16"  # the training precision on a GPU; CPU trials run in fp32
+    grad_dtype: str = "fp32"  # GRAD_DTYPES: fp32, or the compute dtype of a mixed-precision dtype
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
@@ -171,6 +193,7 @@ class ModelConfig:
             raise UsageError(
                 f"num_kv_heads: must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))  # bfloat16 -> bf16, ...
+        object.__setattr__(self, "grad_dtype", parse_grad_dtype(self.grad_dtype, self.dtype))
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise UsageError("norm_eps and rope_theta: must be positive")
         for name, kinds in (("mlp", MLP_KINDS), ("attention", ATTENTION_KINDS), ("bias", BIAS_KINDS),
@@ -366,9 +389,18 @@ def trained_dtype(model: ModelConfig, device: str, dtype: str | None = None) -> 
     return model.dtype if device == "cuda" else "fp32"
 
 
-def as_trained(model: ModelConfig, device: str, dtype: str | None = None) -> ModelConfig:
-    """The model with the precision it trains in (trained_dtype) as its dtype."""
-    return dataclasses.replace(model, dtype=trained_dtype(model, device, dtype))
+def trained_grad_dtype(model: ModelConfig, dtype: str, grad_dtype: str | None = None) -> str:
+    """The gradients' precision of a model trained in `dtype`: `--grad-dtype`, else the
+    model's own where its dtype trains, else fp32 (an fp32 trial's gradients are fp32)."""
+    if grad_dtype is not None:
+        return parse_grad_dtype(grad_dtype, dtype, "--grad-dtype")
+    return model.grad_dtype if model.grad_dtype in ("fp32", compute_dtype_name(dtype)) else "fp32"
+
+
+def as_trained(model: ModelConfig, device: str, dtype: str | None = None, grad_dtype: str | None = None) -> ModelConfig:
+    """The model with the precisions it trains in (trained_dtype, trained_grad_dtype)."""
+    trained = trained_dtype(model, device, dtype)
+    return dataclasses.replace(model, dtype=trained, grad_dtype=trained_grad_dtype(model, trained, grad_dtype))
 
 
 def model_presets() -> list[str]:

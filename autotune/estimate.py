@@ -113,11 +113,13 @@ def _json_safe(value):
 
 
 def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memory_budget_bytes: float | None = None,
-             calibration: Calibration | None = None, device: str = "cuda", dtype: str | None = None) -> Estimate:
+             calibration: Calibration | None = None, device: str = "cuda", dtype: str | None = None,
+             grad_dtype: str | None = None) -> Estimate:
     """Price one layout (valid: see layout.check) of `model` on `hardware`.
 
     The precision is the one the trial trains in (config.trained_dtype): `dtype`, else the
-    model's on CUDA, fp32 on the CPU. Time needs hardware.peak_tflops; where it is 0 (the
+    model's on CUDA, fp32 on the CPU; the gradients' is `grad_dtype`, else the model's
+    (config.trained_grad_dtype). Time needs hardware.peak_tflops; where it is 0 (the
     CPU preset: measured at run time) the time fields are NaN and memory is still
     estimated.
 
@@ -128,7 +130,7 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
     against the dense bf16 peak (hardware.peak_tflops) whatever the precision, as vendors'
     tables and published runs report it, so an fp8 run can show more MFU than bf16 can reach.
     """
-    model = _trained(model, device, dtype)
+    model = _trained(model, device, dtype, grad_dtype)
     base_tflops, linear_tflops = precision_tflops(hardware, model.dtype)
     cal = calibration or default_calibration(device)
     shapes = pipeline_shapes(model, layout)
@@ -179,15 +181,15 @@ def precision_tflops(hardware: HardwareConfig, dtype: str) -> tuple[float, float
 _TRAINED: dict[tuple, tuple[ModelConfig, ModelConfig]] = {}
 
 
-def _trained(model: ModelConfig, device: str, dtype: str | None) -> ModelConfig:
-    """as_trained, one object per (model, device, dtype): the estimator memoises its
-    per-model figures by the model object (estimate_memory.model_figures)."""
-    key = (id(model), device, dtype)
+def _trained(model: ModelConfig, device: str, dtype: str | None, grad_dtype: str | None) -> ModelConfig:
+    """as_trained, one object per (model, device, dtype, grad_dtype): the estimator memoises
+    its per-model figures by the model object (estimate_memory.model_figures)."""
+    key = (id(model), device, dtype, grad_dtype)
     cached = _TRAINED.get(key)
     if cached is None or cached[0] is not model:
         if len(_TRAINED) > 64:
             _TRAINED.clear()
-        trained = as_trained(model, device, dtype)
+        trained = as_trained(model, device, dtype, grad_dtype)
         cached = _TRAINED[key] = (model, model if trained == model else trained)
     return cached[1]
 
@@ -206,7 +208,7 @@ def slowest_candidates(shapes: tuple) -> list:
 # -- calibration from measured trials ------------------------------------------------------------
 
 def calibrate(measured: list[tuple[Layout, dict]], model: ModelConfig, hardware: HardwareConfig,
-              device: str = "cuda", dtype: str | None = None) -> Calibration:
+              device: str = "cuda", dtype: str | None = None, grad_dtype: str | None = None) -> Calibration:
     """Fit the factors to trials measured in a study, so predictions improve as it runs.
 
     `measured`: (layout, trial JSON) pairs; the complete ones count, and those pruned
@@ -222,7 +224,8 @@ def calibrate(measured: list[tuple[Layout, dict]], model: ModelConfig, hardware:
     usable = [(layout, t) for layout, t in measured if t.get("status") == "complete" or t.get("reason") == "comm_bound"]
     compute_ratios, bandwidth_ratios, memory_points = [], [], []
     for layout, trial in usable:
-        predicted = estimate(model, layout, hardware, calibration=prior, device=device, dtype=dtype)
+        predicted = estimate(model, layout, hardware, calibration=prior, device=device, dtype=dtype,
+                             grad_dtype=grad_dtype)
         step = trial.get("step_time_s")
         if step and not math.isnan(predicted.step_time_s):
             computing = predicted.compute_s + predicted.bubble_s - sum(

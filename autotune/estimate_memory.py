@@ -6,8 +6,8 @@ The terms (`TERMS`), in the trained precision (fp32, or bf16 mixed precision):
                      (bf16: 2 bytes), zero 2/3 FSDP's fp32 shards
     master_params    zero 0/1 in bf16: the fp32 masters AdamW updates (sliced over the
                      shard ranks at zero 1); FSDP's shards are their own masters
-    grads            zero 0/1: the fp32 gradient buffer (4 bytes, always there); zero 2/3:
-                     the fp32 gradient shards, once a micro-batch has been reduced
+    grads            zero 0/1: the gradient buffer (fp32, or grad_dtype's 2 bytes; always
+                     there); zero 2/3: the fp32 gradient shards, once a micro-batch is reduced
     optimizer        AdamW's two fp32 states (8 bytes, sharded at zero >= 1)
     gathered_params  zero 2/3: the parameters FSDP has gathered (compute dtype)
     activations      what autograd saves, over the micro-batches in flight
@@ -20,6 +20,8 @@ The terms (`TERMS`), in the trained precision (fp32, or bf16 mixed precision):
 Bytes per parameter of the state (no activations), P the rank's parameters, N the
 ranks that shard it:  zero 0: 16 (fp32) or 18 (bf16: 2 + 4 + 4 + 8);  zero 1: 8 + 8/N or
 6 + 12/N;  zero 2/3: 16/N, the gathered parameters and gradient shards coming and going.
+With bf16 gradients (grad_dtype) zero 0/1 keep 2 bytes of buffer, and the step adds an fp32
+copy of the rank's slice: 16 + 4 at zero 0, 4 + 16/N at zero 1, as Megatron-LM's table.
 
 The peak is the largest of a few moments of a step (rank_terms):
 - loss_backward (the rank with the head): every activation held, the logits, their
@@ -44,6 +46,7 @@ peaks, runtime/memory.py): benchmarks/estimator_accuracy.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,8 +72,8 @@ DDP_BUCKET_ELEMENTS = 1 << 24
 class Precision:
     """Bytes per element of each kind of tensor the runtime keeps."""
 
-    master: int  # parameters as the optimizer updates them (fp32)
-    grad: int  # gradients as they are reduced and accumulated (fp32)
+    master: int  # parameters as the optimizer updates them (fp32), and the gradients it reads
+    grad: int  # gradients as they are reduced and accumulated (fp32, or grad_dtype's 2 bytes)
     optimizer: int  # AdamW exp_avg + exp_avg_sq
     compute: int  # activations, and the parameters the model computes with
     # fp8 / mxfp8: bytes per element of the 8-bit copies a linear's GEMMs take (0: none),
@@ -94,7 +97,8 @@ _PRECISIONS = {"bf16": Precision(master=4, grad=4, optimizer=8, compute=2),
 def precision(model: ModelConfig, device: str) -> Precision:
     if device not in DEVICES:
         raise UsageError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
-    return _PRECISIONS[model.dtype]
+    prec = _PRECISIONS[model.dtype]
+    return prec if model.grad_dtype == "fp32" else dataclasses.replace(prec, grad=prec.compute)
 
 
 # -- activations: what autograd saves, per token of a micro-batch ------------------------------
@@ -538,8 +542,8 @@ def state_of(layout: Layout, prec: Precision, shape: RankShape) -> State:
     total = shape.dense_params + shape.expert_params
     shards = layout.dp_shard * layout.cp
     sharded_elements = shape.dense_params / shards + shape.expert_params / max(1, shards // layout.ep)
-    if layout.zero >= 2:
-        return State(prec.master * sharded_elements, 0.0, prec.grad * sharded_elements,
+    if layout.zero >= 2:  # FSDP's gradient shards are in the parameters' dtype, whatever it reduces in
+        return State(prec.master * sharded_elements, 0.0, prec.master * sharded_elements,
                      prec.optimizer * sharded_elements, True, total)
     updated = sharded_elements if layout.zero == 1 else total
     master = prec.master * updated if prec.compute != prec.master else 0.0
@@ -605,6 +609,10 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
     if layout.zero == 1 and layout.dp_shard * layout.cp > 1:
         bucket = min(DDP_BUCKET_ELEMENTS, state.total)
         step_temporaries = prec.compute * bucket * (1 + 1 / (layout.dp_shard * layout.cp))
+    if layout.zero < 2 and prec.grad != prec.master:
+        # bf16 gradients: the fp32 copies of the slice's, from the reduction to the end of
+        # AdamW's step, freed before the gather.
+        step_temporaries = max(step_temporaries, prec.master * state.optimizer / prec.optimizer)
     phases["optimizer_step"] = (state.params, state.master_params, state.grads, state.optimizer, 0.0, 0.0,
                                 _pipeline_held(model, layout, prec, shape), 0.0, step_temporaries, overhead)
     if layout.zero >= 2 and layout.pp == 1:

@@ -73,6 +73,7 @@ class Question:
     trial_timeout_s: float | None = None  # None: from the estimate, with a floor
     heartbeat_s: int = 60  # shared storages: every worker beats this often; stale after 4 beats missed
     dtype: str | None = None  # --dtype; None: the model's on CUDA, fp32 on the CPU (config.trained_dtype)
+    grad_dtype: str | None = None  # --grad-dtype; None: the model's where its dtype trains (trained_grad_dtype)
     exhaustive: bool = False  # --exhaustive: no stopping rule (stopping.py) without a budget
     confirm: int = 3  # --confirm: the leading layouts measured again at the end (remeasure.py)
 
@@ -99,7 +100,7 @@ class Question:
     @property
     def trained_model(self) -> ModelConfig:
         """The model in the precision its trials train in (config.trained_dtype)."""
-        return as_trained(self.model_config, self.device, self.dtype)
+        return as_trained(self.model_config, self.device, self.dtype, self.grad_dtype)
 
     @property
     def hardware_config(self) -> HardwareConfig:

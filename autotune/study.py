@@ -187,11 +187,12 @@ class Controller:
             peaks = [attrs["peak_tflops"] for _, attrs in measured if attrs.get("peak_tflops")]
             if peaks:
                 self.hardware = dataclasses.replace(self.hardware, peak_tflops=statistics.median(peaks))
-        return calibrate(measured, self.model, self.hardware, device=self.q.device, dtype=self.q.dtype)
+        return calibrate(measured, self.model, self.hardware, device=self.q.device, dtype=self.q.dtype,
+                         grad_dtype=self.q.grad_dtype)
 
     def predict(self, layout: Layout, calibration: Calibration | None = None):
         return estimate(self.model, layout, self.hardware, self.budget_bytes, calibration, device=self.q.device,
-                        dtype=self.q.dtype)
+                        dtype=self.q.dtype, grad_dtype=self.q.grad_dtype)
 
     def scorer(self, study: optuna.Study):
         """Sort key for the model sampler: layouts predicted to fit first, then by prediction."""

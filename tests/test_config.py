@@ -3,7 +3,14 @@ import re
 
 import pytest
 
-from autotune.config import hardware_for_device_name, load_hardware, load_model, model_presets, trained_dtype
+from autotune.config import (
+    as_trained,
+    hardware_for_device_name,
+    load_hardware,
+    load_model,
+    model_presets,
+    trained_dtype,
+)
 from autotune.errors import UsageError
 
 
@@ -217,3 +224,18 @@ def test_model_kinds_defaults_and_windows(tmp_path):
     assert [w.window(i) for i in range(2)] == [None, 8]
     mla = load_model(write(tmp_path, "m.yaml", TINY + MLA + "\n"))
     assert mla.head_dim == 12 and mla.mla.q_lora_rank is None
+
+
+def test_gradients_train_in_fp32_or_the_compute_dtype(tmp_path):
+    base = "\n".join(line for line in TINY.splitlines() if not line.startswith("dtype:"))
+    model = load_model(write(tmp_path, "g.yaml", base + "\ndtype: bf16\ngrad_dtype: bfloat16"))
+    assert model.grad_dtype == "bf16"
+    assert as_trained(model, "cuda").grad_dtype == "bf16"
+    assert as_trained(model, "cuda", "fp8").grad_dtype == "bf16"  # fp8 computes in bf16
+    assert as_trained(model, "cpu").grad_dtype == "fp32"  # a CPU trial is fp32 throughout
+    assert as_trained(model, "cuda", "fp16").grad_dtype == "fp32"  # not bf16 gradients of an fp16 model
+    assert as_trained(model, "cpu", "bf16", "fp32").grad_dtype == "fp32"
+    with pytest.raises(UsageError, match=r"^--grad-dtype: with dtype fp32 must be fp32, got 'bf16'$"):
+        as_trained(model, "cpu", None, "bf16")
+    with pytest.raises(UsageError, match=r"^grad_dtype: with dtype bf16 must be bf16 or fp32, got 'fp16'$"):
+        load_model(write(tmp_path, "h.yaml", base + "\ndtype: bf16\ngrad_dtype: fp16"))

@@ -67,6 +67,8 @@ def test_mixed_precision_policy_follows_the_trained_precision_on_any_device():
     bf16 = TINY.__class__(**{**TINY.__dict__, "dtype": "bf16"})
     policy = mixed_precision_policy(bf16)
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    policy = mixed_precision_policy(TINY.__class__(**{**bf16.__dict__, "grad_dtype": "bf16"}))
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
     assert mixed_precision_policy(TINY) is None  # an fp32 model stays fp32
     # The precision a trial trains in: --dtype, else the model's on CUDA, fp32 on the CPU.
     assert (as_trained(bf16, "cpu").dtype, as_trained(bf16, "cuda").dtype) == ("fp32", "bf16")
@@ -87,6 +89,24 @@ def test_bf16_computes_in_bf16_reduces_and_updates_in_fp32(reference):
         assert seen["params"] == [held], layout
         assert_same_losses(fp32, seen["losses"], layout, rtol=1e-2)
         assert seen["losses"] != pytest.approx(fp32, rel=1e-6), "bf16 rounding should show"
+
+
+def test_bf16_gradients_reduce_in_bf16_and_step_in_fp32():
+    """grad_dtype bf16 (Megatron-LM without grad_reduce_in_fp32): zero 0/1 keep a bf16
+    gradient buffer, the optimizer still reads fp32 gradients (a copy of its slice) and
+    updates fp32 state; FSDP reduce-scatters bf16 into its fp32 shards. Each layout trains
+    as one process with bf16 gradients does, up to the rounding of a bf16 sum."""
+    layouts = [full("mbs=8", 1)]
+    one = run_on_ranks(1, mixed_precision_step, layouts, 3, "bf16")[0][0]
+    layouts = [full(text, 2) for text in ("zero=0,mbs=4", "zero=1,mbs=8", "zero=3,mbs=8")]
+    for layout, seen in zip(layouts, run_on_ranks(2, mixed_precision_step, layouts, 3, "bf16")[0]):
+        assert seen["grads"] == seen["masters"] == seen["optimizer_state"] == ["torch.float32"], layout
+        assert seen["buffers"] == ([] if "zero=3" in layout else ["torch.bfloat16"]), layout
+        assert_same_losses(one["losses"], seen["losses"], layout, rtol=2e-3)
+    assert one["buffers"] == ["torch.bfloat16"]
+    fp32_gradients = run_on_ranks(1, mixed_precision_step, [full("mbs=8", 1)], 3, "fp32")[0][0]
+    assert fp32_gradients["buffers"] == ["torch.float32"]
+    assert one["losses"] != pytest.approx(fp32_gradients["losses"], rel=1e-7), "bf16 accumulation should show"
 
 
 def test_zero1_optimizer_equals_adamw_with_uneven_and_empty_slices():

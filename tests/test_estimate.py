@@ -68,6 +68,25 @@ def test_bytes_per_parameter_for_each_zero(device, dtype, zero, dp_shard, expect
     assert state_bytes(model, layout, device) / model.num_params() == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("zero, expected", [
+    (0, 16 + 4),  # 2 params + 2 grads + 4 masters + 8 AdamW, and the step's fp32 gradient copy
+    (1, 4 + 16 / 8),  # Megatron's table for bf16 gradients: the copy sliced with the masters
+    (3, 16 / 8),  # FSDP: reduces in bf16 into its fp32 shards; nothing more stays
+])
+def test_bf16_gradients_hold_megatrons_bytes_per_parameter(zero, expected):
+    model = dataclasses.replace(LLAMA_70B, dtype="bf16", grad_dtype="bf16")
+    layout = resolve(f"dp=8,zero={zero}", model, 8)
+    terms = rank_memory(model, layout, "cuda", rank_shape(model, layout, 0))["optimizer_step"]
+    held = terms["params"] + terms["master_params"] + terms["grads"] + terms["optimizer"]
+    copies = terms["temporaries"] if zero < 2 else 0.0
+    if zero == 1:  # the all-gather of the updated parameters comes after the copies are freed
+        assert copies == pytest.approx(4 * model.num_params() / 8)
+    assert (held + copies) / model.num_params() == pytest.approx(expected, rel=1e-12)
+    bf16, fp32 = (estimate(m, layout, H100) for m in (model, dataclasses.replace(model, grad_dtype="fp32")))
+    assert bf16.peak_mem_bytes < fp32.peak_mem_bytes if zero < 2 else bf16.peak_mem_bytes <= fp32.peak_mem_bytes
+    assert bf16.comm_s["dp"] < fp32.comm_s["dp"]  # half the bytes to reduce
+
+
 def test_70b_dense_in_mixed_precision_with_adam_needs_18_bytes_per_parameter():
     one_gpu = resolve("", LLAMA_70B, 1)
     total = state_bytes(LLAMA_70B, one_gpu, "cuda")
@@ -462,6 +481,15 @@ def test_every_layout_ranked_fitting_first_then_by_tokens_per_second():
 
 # -- the command line ---------------------------------------------------------------------------------
 
+def test_cli_bf16_gradients_lower_the_peak(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8,zero=1", "--json"]
+    peaks = []
+    for grads in ("fp32", "bf16"):
+        assert main([*argv, "--grad-dtype", grads]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["memory"]["grads"])
+    assert peaks[1] == pytest.approx(peaks[0] / 2)
+
+
 def test_cli_one_layout_json(capsys):
     assert main(["estimate", "--model", "llama3-70b", "--gpus", "64", "--layout", "tp=8,pp=8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -488,6 +516,8 @@ def test_cli_every_layout_json_and_table(capsys):
     (["--layout", "tp=3"], "tp*pp*cp = 3*1*1 = 3 must divide --gpus 4"),
     (["--layout", "sp=1"], "layout.sp: sequence parallel needs tp > 1"),
     (["--hardware", "nope"], "hardware: unknown preset 'nope'"),
+    (["--hardware", "cpu", "--grad-dtype", "bf16"], "--grad-dtype: with dtype fp32 must be fp32, got 'bf16'"),
+    (["--dtype", "fp16", "--grad-dtype", "bf16"], "--grad-dtype: with dtype fp16 must be fp16 or fp32"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(["estimate", "--model", "tiny", "--gpus", "4", *argv]) == 2

@@ -14,6 +14,7 @@ def trial_command(q: Question, layout: str, model_path: str) -> str:
     hardware = f" --hardware {spec.hardware}" if spec.hardware else ""
     budget = f" --memory-budget-gb {spec.memory_budget_gb:g}" if spec.memory_budget_gb else ""
     budget += f" --dtype {q.dtype}" if q.dtype else ""
+    budget += f" --grad-dtype {q.grad_dtype}" if q.grad_dtype else ""
     return (f"autotune trial --model {model_path} --gpus {q.gpus} --device {spec.device}{hardware}{budget} "
             f"--steps {spec.steps} --warmup {spec.warmup} --seed {spec.seed} --layout \"{layout}\"")
 

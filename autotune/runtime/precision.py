@@ -8,6 +8,11 @@ loss scaler, and torchao's 8-bit linear layers.
     fp8    bf16         as bf16                           e4m3 with per-tensor or per-row scales
     mxfp8  bf16         as bf16                           e4m3 with one e8m0 scale per 32 elements
 
+`grad_dtype` equal to the compute dtype (Megatron-LM without grad_reduce_in_fp32, as NVIDIA's
+performance recipes train) accumulates and reduces the gradients in it: zero 0/1's buffer
+holds 2 bytes per parameter instead of 4 and the optimizer takes an fp32 copy of its own
+slice for the step; FSDP reduce-scatters in it into fp32 shards.
+
 fp8 and mxfp8 change only the blocks' linear layers (attention projections, dense MLPs):
 torchao casts their input, weight and output gradient to 8 bits for each GEMM and keeps
 the bf16 tensors for backward, so master weights, optimizer state, activations and every
@@ -39,11 +44,17 @@ def compute_dtype(cfg: ModelConfig) -> torch.dtype:
     return COMPUTE_DTYPES[cfg.dtype]
 
 
+def grad_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype gradients are accumulated and reduced in (the spec's model carries it)."""
+    return COMPUTE_DTYPES[cfg.grad_dtype]
+
+
 def mixed_precision_policy(cfg: ModelConfig) -> MixedPrecisionPolicy | None:
-    """FSDP2's compute in the working dtype with fp32 reduction and master weights; None for fp32."""
+    """FSDP2's compute in the working dtype with fp32 master weights, reducing in the
+    gradients' dtype (fp32 unless grad_dtype says otherwise); None for fp32."""
     if cfg.dtype == "fp32":
         return None
-    return MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=grad_dtype(cfg))
 
 
 def emulated(device: torch.device) -> bool:

@@ -40,10 +40,10 @@ def step_batches(cfg, layout, mesh, step: int):
                          cfg.seq_len, cfg.vocab_size)
 
 
-def trainer_for(text: str, model: str = MODEL, dtype: str = "fp32", **spec_fields):
+def trainer_for(text: str, model: str = MODEL, dtype: str = "fp32", grad_dtype: str = "fp32", **spec_fields):
     """(model config, layout, meshes, trainer) of a full layout string, as a trial builds them
-    (in `dtype`, the precision the model trains in)."""
-    cfg = dataclasses.replace(load_model(model), dtype=dtype)
+    (in `dtype`, the precision the model trains in, with gradients in `grad_dtype`)."""
+    cfg = dataclasses.replace(load_model(model), dtype=dtype, grad_dtype=grad_dtype)
     layout = resolve(text, cfg, dist.get_world_size())
     mesh = mesh_for(layout, "cpu")
     trainer = build_trainer(cfg, layout, mesh, torch.device("cpu"),
@@ -105,13 +105,13 @@ def assert_same_gradients(reference: dict, other: dict, what: str, rtol: float =
             f"{what}: gradient of {name} differs by {diff / norm:.2e} of its norm (rtol {rtol})"
 
 
-def mixed_precision_step(layouts: list[str], steps: int = 3) -> list[dict]:
+def mixed_precision_step(layouts: list[str], steps: int = 3, grad_dtype: str = "fp32") -> list[dict]:
     """Train each layout in bf16 on the CPU; report the dtypes of what a Linear computes
     in, of the gradients the optimizer sees, of the parameters the model holds, of what
-    the optimizer updates and of its state."""
+    the optimizer updates and of its state, and of zero 0/1's gradient buffers."""
     results = []
     for text in layouts:
-        cfg, layout, mesh, trainer = trainer_for(text, dtype="bf16")
+        cfg, layout, mesh, trainer = trainer_for(text, dtype="bf16", grad_dtype=grad_dtype)
         model = trainer.model
         seen = {"compute": [], "grads": set()}
 
@@ -134,6 +134,7 @@ def mixed_precision_step(layouts: list[str], steps: int = 3) -> list[dict]:
             "optimizer_state": sorted({str(t.dtype) for state in optimizer.state.values()
                                        for key, t in state.items() if key != "step"}),
             "losses": global_losses(shares, mesh),
+            "buffers": sorted({str(group.grads.dtype) for group in getattr(trainer.dp, "groups", [])}),
         })
     return results
 

@@ -7,6 +7,9 @@
     AdamW's two states       8              8/N
     total, bf16              18             6 + 12/N
     total, fp32              16             8 + 8/N       (the parameters are their own masters)
+    bf16 gradients           16 + 4         4 + 16/N      (grad_dtype bf16: a 2-byte buffer, and
+                                                           an fp32 copy of the rank's slice for
+                                                           the step: Megatron's table)
 
 torch has no such data parallel that composes with DTensor tensor parallel (DDP does
 not; FSDP2's replicate keeps fp32 parameters beside a full working copy: 4 + 2 bytes
@@ -100,8 +103,8 @@ class DataParallel:
     parameter objects)."""
 
     def __init__(self, parts: list[nn.Module], param_groups, divisor: int, tp: int, compute_dtype: torch.dtype,
-                 **adamw_options):
-        self.parts, self.tp, self.compute_dtype = parts, tp, compute_dtype
+                 grad_dtype: torch.dtype = torch.float32, **adamw_options):
+        self.parts, self.tp, self.compute_dtype, self.grad_dtype = parts, tp, compute_dtype, grad_dtype
         self.syncing = False
         device = next(p for part in parts for p in part.parameters()).device
         self.groups = [self._group(params, reduce_mesh, shard_mesh, divisor, device)
@@ -117,6 +120,9 @@ class DataParallel:
         for k, where in enumerate(self._pieces()):
             piece = self._param_piece(where)
             self.masters.append((piece if masters is None else masters[k], piece))
+        # The reduced gradient of each piece, in fp32, as the optimizer reads it: views of an
+        # fp32 buffer; of a bf16 / fp16 one, copies finish_backward makes and the step frees.
+        self.piece_grads = self._buffer_pieces() if grad_dtype == torch.float32 else None
         self.optimizer = torch.optim.AdamW([master for master, _ in self.masters], fused=True, **adamw_options)
         me = weakref.ref(self)  # as the gradient hooks do (_hook)
         self.optimizer.register_step_pre_hook(lambda *args: me()._attach_gradients())
@@ -127,7 +133,7 @@ class DataParallel:
                 param.register_post_accumulate_grad_hook(self._hook(group, i))
 
     def gradient(self, param: nn.Parameter) -> torch.Tensor:
-        """The reduced fp32 gradient the optimizer sees for a parameter, shaped like it (a
+        """The reduced gradient in the buffer for a parameter (its dtype), shaped like it (a
         DTensor where the parameter is one). At zero 1 on NCCL only this rank's slice of
         each bucket is reduced; on gloo, which all-reduces, all of it."""
         group, i = self.where[id(param)]
@@ -153,7 +159,7 @@ class DataParallel:
                 bucket.end = offset
                 group.buckets.append(bucket)
                 bucket = Bucket(offset, offset, [])
-        group.grads = torch.zeros(offset, dtype=torch.float32, device=device)
+        group.grads = torch.zeros(offset, dtype=self.grad_dtype, device=device)
         return group
 
     def _my_pieces(self, group: ParamGroup):
@@ -175,6 +181,9 @@ class DataParallel:
         for group in self.groups:
             for i, start, end in self._my_pieces(group):
                 yield group, i, start, end
+
+    def _buffer_pieces(self) -> list[torch.Tensor]:
+        return [group.grads[start:end] for group, _, start, end in self._pieces()]
 
     def _param_piece(self, where) -> torch.Tensor:
         group, i, start, end = where
@@ -236,7 +245,8 @@ class DataParallel:
 
     @torch.no_grad()
     def finish_backward(self) -> None:
-        """Reduce what the hooks did not, wait for every reduction, divide by dp x cp."""
+        """Reduce what the hooks did not, wait for every reduction, divide by dp x cp; a
+        bf16 / fp16 buffer's pieces are then copied into fp32 for clipping and the step."""
         self.fold_gradients()
         for group in self.groups:
             for bucket in group.buckets:
@@ -246,6 +256,8 @@ class DataParallel:
                 bucket.work.wait()
                 bucket.work = None
             group.grads.div_(group.divisor)
+        if self.grad_dtype != torch.float32:
+            self.piece_grads = [piece.float() for piece in self._buffer_pieces()]
         self.syncing = False
 
     def squared_norm(self) -> torch.Tensor:
@@ -253,9 +265,9 @@ class DataParallel:
         counted once over the world (divided by the ranks holding the same copy), so a sum
         over every rank is the whole model's."""
         total = torch.zeros((), device=self.groups[0].grads.device)
-        for group, i, start, end in self._pieces():
+        for (group, i, _, _), grad in zip(self._pieces(), self.piece_grads):
             copies = group.reduce_mesh.size() // (group.shard_mesh.size() if group.shard_mesh else 1)
-            total += group.grads[start:end].square().sum() / (copies * tp_copies(group.params[i], self.tp))
+            total += grad.square().sum() / (copies * tp_copies(group.params[i], self.tp))
         return total
 
     def grad_norm(self, pipeline_group=None) -> torch.Tensor:
@@ -265,25 +277,34 @@ class DataParallel:
         return square.sqrt()
 
     def scale_gradients(self, factor: torch.Tensor) -> None:
-        for group in self.groups:
-            group.grads.mul_(factor)
+        if self.grad_dtype == torch.float32:
+            for group in self.groups:
+                group.grads.mul_(factor)
+        else:
+            torch._foreach_mul_(self.piece_grads, factor)
 
     def discard_gradients(self) -> None:
         """A skipped step (fp16 overflow): zero the buffers the optimizer would have read."""
         for group in self.groups:
             group.grads.zero_()
+        if self.grad_dtype != torch.float32:
+            self.piece_grads = None
 
     # -- the optimizer step ----------------------------------------------------------------------
     def _attach_gradients(self) -> None:
-        """Each master's gradient is its view of the flat buffer (zero_grad may have unset it)."""
-        for (master, _), (group, _, start, end) in zip(self.masters, self._pieces()):
-            master.grad = group.grads[start:end]
+        """Each master's gradient is its piece's fp32 gradient (zero_grad may have unset it)."""
+        for (master, _), grad in zip(self.masters, self.piece_grads):
+            master.grad = grad
 
     @torch.no_grad()
     def _after_step(self) -> None:
         if self.compute_dtype != torch.float32:
             for master, piece in self.masters:
                 piece.copy_(master)
+        if self.grad_dtype != torch.float32:  # the fp32 copies live from the reduction to the step
+            self.piece_grads = None
+            for master, _ in self.masters:
+                master.grad = None
         for group in self.groups:
             group.grads.zero_()
             if group.shard_mesh is not None and group.shard_mesh.size() > 1:

@@ -53,7 +53,7 @@ from autotune.runtime.mesh import Meshes
 from autotune.runtime.moe import moe_layers
 from autotune.runtime.parallel.ddp import DataParallel
 from autotune.runtime.parallel.ep import divide_expert_gradients
-from autotune.runtime.precision import compute_dtype, mixed_precision_policy
+from autotune.runtime.precision import compute_dtype, grad_dtype, mixed_precision_policy
 from autotune.runtime.train import grad_norm
 
 
@@ -131,4 +131,4 @@ def build_data_parallel(parts: list[nn.Module], mesh: Meshes, layout: Layout, cf
                 ([p for p in params if id(p) in experts], mesh["edp"], mesh["edp_shard"] if sliced else None)]
 
     return DataParallel(parts, param_groups, divisor=mesh.size("dp_cp"), tp=mesh.size("tp"),
-                        compute_dtype=compute_dtype(cfg), **adamw_options)
+                        compute_dtype=compute_dtype(cfg), grad_dtype=grad_dtype(cfg), **adamw_options)
