@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from autotune.cli import main
 from autotune.export.deepspeed import deepspeed
@@ -193,3 +194,33 @@ def test_export_command_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv,
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["llama3-8b:8:dp=8,zero=0,mbs=2", "llama3-8b:16:dp=16,dp_shard=8,zero=1,mbs=2",
+                                  "llama3-8b:16:dp=16,dp_shard=8,zero=3,mbs=2,recompute=selective"])
+def test_bf16_gradients_are_exported_to_each_framework(name, deepspeed_world):
+    """grad_dtype bf16: Megatron-LM's --grad-reduce-in-bf16, torchtitan's bf16
+    mixed_precision_reduce, DeepSpeed's bf16 accumulation and communication; fp32
+    gradients say so to each (DeepSpeed keeps fp32 accumulation at ZeRO 1 only)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    base = dict(TARGETS)[name]
+    for grads in ("bf16", "fp32"):
+        t = dataclasses.replace(base, model=dataclasses.replace(base.model, dtype="bf16", grad_dtype=grads))
+        x = megatron(t)
+        args = megatron_rules.check(x.args, megatron_env(x), t.gpus, t.model.num_layers, t.grad_accum)
+        assert args.on("--bf16") and args.on("--grad-reduce-in-bf16") == (grads == "bf16")
+        titan = torchtitan(t).args
+        reduce_dtype = titan[titan.index("--training.mixed-precision-reduce") + 1]
+        assert reduce_dtype == ("bfloat16" if grads == "bf16" else "float32")
+        config = json.loads(deepspeed(t).content)
+        deepspeed_world(t.gpus)
+        ds = DeepSpeedConfig(config)
+        assert ds.communication_data_type == (torch.bfloat16 if grads == "bf16" else torch.float32)
+        accumulation = config.get("data_types", {}).get("grad_accum_dtype")
+        assert accumulation == ("bf16" if grads == "bf16" else "fp32" if t.layout.zero == 1 else None)
+        mapping = next(mp for mp in deepspeed(t).mappings if mp.ours.startswith("grad_dtype"))
+        assert mapping.status == ("approximate" if grads == "fp32" and t.layout.zero != 1 else "exact")
+    with pytest.raises(AssertionError, match="--grad-reduce-in-bf16 acts only with --bf16"):
+        megatron_rules.check([a for a in x.args if a != "--bf16"] + ["--grad-reduce-in-bf16"], megatron_env(x),
+                             t.gpus, t.model.num_layers, t.grad_accum)

@@ -65,6 +65,23 @@ def deepspeed(t: Target) -> Export:
     if m.dtype == "bf16":
         config["bf16"] = {"enabled": True}
         maps.append(Mapping("dtype=bf16", "exact", "bf16.enabled = true"))
+        maps.append(_gradients(config, m.grad_dtype, L.zero))
     elif m.dtype != "fp32":
         maps.append(Mapping(f"dtype={m.dtype}", "none", "", "not translated"))
     return Export("DeepSpeed", "deepspeed.json", json.dumps(config, indent=2) + "\n", maps)
+
+
+def _gradients(config: dict, grad_dtype: str, zero: int) -> Mapping:
+    """The gradients' precision under bf16. DeepSpeed accumulates and reduces in the model's
+    dtype unless told otherwise; fp32 accumulation it keeps only at ZeRO stage 1 (its
+    BF16_Optimizer), and refuses without ZeRO."""
+    if grad_dtype == "bf16":
+        config["data_types"] = {"grad_accum_dtype": "bf16"}
+        config["communication_data_type"] = "bf16"
+        return Mapping("grad_dtype=bf16", "exact", "data_types.grad_accum_dtype = bf16, communication_data_type = bf16")
+    config["communication_data_type"] = "fp32"
+    if zero == 1:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        return Mapping("grad_dtype=fp32", "exact", "data_types.grad_accum_dtype = fp32, communication_data_type = fp32")
+    return Mapping("grad_dtype=fp32", "approximate", "communication_data_type = fp32",
+                   f"reduced in fp32, but DeepSpeed accumulates bf16 gradients at ZeRO stage {zero}")

@@ -56,6 +56,11 @@ def megatron(t: Target) -> Export:
     _recompute(t, add)
     if m.dtype == "bf16":
         add("dtype=bf16", "exact", ["--bf16"], "bf16 weights and compute on fp32 master weights, as ours")
+        if m.grad_dtype == "bf16":
+            add("grad_dtype=bf16", "exact", ["--grad-reduce-in-bf16"],
+                "gradients accumulated and reduced in bf16, the optimizer stepping on fp32 copies, as ours")
+        else:
+            add("grad_dtype=fp32", "exact", [], "Megatron-LM accumulates and reduces bf16 models' gradients in fp32")
     elif m.dtype == "fp32":
         add("dtype=fp32", "exact", [], "Megatron-LM trains in fp32 unless --bf16 or --fp16 is given")
     else:

@@ -93,8 +93,10 @@ def torchtitan(t: Target) -> Export:
         "torchtitan accumulates global / (local x dp) steps" if L.pp == 1 else
         f"one local batch of {t.grad_accum} pipeline micro-batches of {L.mbs} per step")
     if m.dtype == "bf16":
-        add("dtype=bf16", "exact", {"training.mixed_precision_param": "bfloat16"},
-            "bf16 compute on fp32 weights, fp32 gradient reduction")
+        reduce = "bfloat16" if m.grad_dtype == "bf16" else "float32"
+        add(f"dtype=bf16, grad_dtype={m.grad_dtype}", "exact",
+            {"training.mixed_precision_param": "bfloat16", "training.mixed_precision_reduce": reduce},
+            f"bf16 compute on fp32 weights, gradients reduced in {m.grad_dtype}")
     elif m.dtype == "fp32":
         add("dtype=fp32", "exact", {"training.mixed_precision_param": "float32"})
     else:

@@ -28,7 +28,7 @@ FLAGS = {
     "--num-distributed-optimizer-instances": True, "--overlap-grad-reduce": False, "--overlap-param-gather": False,
     "--micro-batch-size": True, "--global-batch-size": True, "--seq-length": True,
     "--recompute-granularity": True, "--recompute-method": True, "--recompute-num-layers": True,
-    "--recompute-modules": True, "--bf16": False, "--fp16": False,
+    "--recompute-modules": True, "--bf16": False, "--fp16": False, "--grad-reduce-in-bf16": False,
 }
 CHOICES = {"--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
            "--data-parallel-sharding-strategy": {"no_shard", "optim", "optim_grads", "optim_grads_params"},
@@ -104,6 +104,7 @@ def check(argv: list[str], env: dict, world: int, num_layers: int, grad_accum_ex
     m = gbs // (mbs * dp)
     if grad_accum_expected is not None:
         assert m == grad_accum_expected, f"Megatron derives {m} micro-batches, ours {grad_accum_expected}"
+    assert not a.on("--grad-reduce-in-bf16") or a.on("--bf16"), "--grad-reduce-in-bf16 acts only with --bf16"
     seq = a.int("--seq-length")
     if cp > 1:
         assert seq % (2 * cp) == 0, "seq-length should be a multiple of 2 * context-parallel-size"
