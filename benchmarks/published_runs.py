@@ -10,7 +10,9 @@ sequence length, precision, recompute, CPU offload, the memory it reports) and t
 layout in our layout keys (the `layout` column; published_runs.md gives the mapping).
 Each is priced in-process with `autotune.estimate.estimate` at the row's sequence
 length and global batch, against the row's memory budget (`budget_gib`, the GPU's
-memory as the driver reports it). Rows trained in fp8 or MXFP8 are priced in that precision (`priced_as`).
+memory as the driver reports it). Rows trained in fp8 or MXFP8 are priced in that precision
+(`priced_as`), and each row's gradients in the precision its framework keeps them
+(`grad_dtype`: bf16 in Megatron-Bridge's perf recipes, fp32 in torchtitan).
 
 Targets: at least 90% of the layouts that ran are predicted to fit; where the source
 gives memory, the prediction within 15% of it. A row with ran=0 is a layout the source
@@ -125,7 +127,8 @@ def price(row: dict):
     if int(row["tp"]) > 1 and not layout.sp:
         raise SystemExit(f"{row['id']}: tp > 1 without sp (both frameworks run sequence parallel with TP)")
     budget = float(row["budget_gib"]) * GIB
-    return estimate(model, layout, hardware, budget, device="cuda", dtype=row["priced_as"])
+    return estimate(model, layout, hardware, budget, device="cuda", dtype=row["priced_as"],
+                    grad_dtype=row["grad_dtype"])
 
 
 def gib(x: float) -> str:
@@ -217,8 +220,10 @@ def reading_lines() -> list[str]:
         "for the weight gradient: roughly a quarter to a third fewer saved bytes on a Llama layer than bf16. "
         "Most Megatron rows are fp8; their bf16 layouts on the same GPUs are larger "
         "(e.g. the H100 Llama 3 70B bf16 recipe uses TP4 PP4 CP2 where fp8 uses TP4 PP8).",
-        "- **Gradients.** Megatron-Bridge's perf recipes reduce and keep gradients in bf16; our runtime keeps an "
-        "fp32 buffer, 2 bytes a parameter more (up to 48 GiB on a 405B rank at TP4 PP8).",
+        "- **Gradients.** Megatron-Bridge's perf recipes reduce and keep gradients in bf16 "
+        "(`grad_reduce_in_fp32 = False`); those rows are priced with `grad_dtype=bf16`, the runtime's "
+        "`--grad-dtype bf16` (a bf16 gradient buffer reduced in bf16, the optimizer step in fp32), 2 bytes a "
+        "parameter below an fp32 buffer (up to 48 GiB on a 405B rank at TP4 PP8).",
         "- **torchtitan's reported peaks are above ours on full-recompute rows** for two reasons outside our "
         "runtime: torchtitan's loss (train.py at the benchmark's commit) upcasts the whole logits to fp32 "
         "without chunking (at 32k tokens and a 128k vocabulary: 7.8 GiB bf16 logits, 15.7 GiB fp32 copy and "
@@ -245,8 +250,8 @@ def write_report(priced, path: Path = OUT) -> bool:
          "Regenerate with `.venv/bin/python benchmarks/published_runs.py` (seconds, no GPU). Inputs: "
          "`published_runs.csv` (one row per published layout, with its source and the facts as published) and "
          "the model files in `published_models/`. Every row is priced by `autotune.estimate.estimate` at the row's "
-         "sequence length and global batch, on CUDA, in the row's `priced_as` precision, against the row's "
-         "memory budget.", "",
+         "sequence length and global batch, on CUDA, in the row's `priced_as` precision with gradients in its "
+         "`grad_dtype`, against the row's memory budget.", "",
          f"{len(ran)} layouts that ran (" + ", ".join(f"{n} {k}" for k, n in sorted(by_framework.items()))
          + f"), and {len(failed)} the source reports failing out of memory.", "",
          f"## Fit rate (target: at least {FIT_TARGET:.0%} of the layouts that ran predicted to fit)", "",
@@ -271,8 +276,8 @@ def write_report(priced, path: Path = OUT) -> bool:
     L += ["## Every row", "",
           "GiB are GiB (2^30 bytes). `pred` is the worst rank's predicted peak; `src` the source's figure "
           "(reserved); `terms` the largest terms of the worst rank at its peak (estimate_memory.TERMS).", "",
-          "| id | model | hardware (budget GiB) | GPUs | layout | precision (priced as) | recompute | pred GiB | "
-          "src GiB | error | fits | peak phase | terms |",
+          "| id | model | hardware (budget GiB) | GPUs | layout | precision (priced as, grads) | recompute | "
+          "pred GiB | src GiB | error | fits | peak phase | terms |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r, e in priced:
         err = error_of(r, e)
@@ -280,25 +285,23 @@ def write_report(priced, path: Path = OUT) -> bool:
         fits = ("yes" if e.fits else "**no**") if r["ran"] == "1" else ("yes (ran out of memory)" if e.fits
                                                                         else "no (ran out of memory)")
         L.append(f"| {r['id']} | {r['model']} | {r['hardware']} ({r['budget_gib']}) | {r['gpus']} | `{r['layout']}` | "
-                 f"{r['precision']} ({r['priced_as']}) | {recompute} | {gib(e.peak_mem_bytes)} | "
+                 f"{r['precision']} ({r['priced_as']}, {r['grad_dtype']}) | {recompute} | {gib(e.peak_mem_bytes)} | "
                  f"{r['source_mem_gib'] or '-'} | {'-' if err is None else f'{err:+.1%}'} | {fits} | "
                  f"{e.peak_phase} (pp rank {e.worst_pp_rank}) | {terms_line(e)} |")
 
     if refused:
         L += ["", "## Layouts that ran but are priced out", "",
-              "What dominates each. The last column is arithmetic on the estimator's own terms, not a re-estimate: "
-              "the peak less half the gradients (our fp32 gradient buffer; Megatron-Bridge's perf recipes keep bf16 "
-              "gradients). Pipeline sends are freed once they have arrived, as Megatron frees them "
-              "(runtime/parallel/pp_sends.py), so `pipeline_buffers` is the stage outputs and a few gradients.", "",
-              "| id | model | layout | precision | micro-batches | budget | predicted | activations | pipeline_buffers "
-              "| grads | peak - grads/2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "What dominates each, in GiB; gradients in the row's `grad_dtype`. Pipeline sends are freed once "
+              "they have arrived, as Megatron frees them (runtime/parallel/pp_sends.py), so `pipeline_buffers` is "
+              "the stage outputs and a few gradients.", "",
+              "| id | model | layout | precision (grads) | micro-batches | budget | predicted | over by | activations "
+              "| pipeline_buffers | grads |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, e in refused:
-            rest = e.peak_mem_bytes - e.memory["grads"] / 2
-            budget = float(r["budget_gib"]) * GIB
-            L.append(f"| {r['id']} | {r['model']} | `{r['layout']}` | {r['precision']} | {e.grad_accum} | "
-                     f"{r['budget_gib']} | {gib(e.peak_mem_bytes)} | {gib(e.memory['activations'])} | "
-                     f"{gib(e.memory['pipeline_buffers'])} | {gib(e.memory['grads'])} | {gib(rest)} "
-                     f"({'fits' if rest <= budget else 'over'}) |")
+            over = e.peak_mem_bytes - float(r["budget_gib"]) * GIB
+            L.append(f"| {r['id']} | {r['model']} | `{r['layout']}` | {r['precision']} ({r['grad_dtype']}) | "
+                     f"{e.grad_accum} | {r['budget_gib']} | {gib(e.peak_mem_bytes)} | {gib(over)} | "
+                     f"{gib(e.memory['activations'])} | {gib(e.memory['pipeline_buffers'])} | "
+                     f"{gib(e.memory['grads'])} |")
     L += ["", "## The worst misses, term by term", ""]
     worst = list(dict.fromkeys([id(p) for p in refused] + [id(p) for p in with_memory[:6]]))
     chosen = [p for p in refused + with_memory[:6] if id(p) in worst]
@@ -325,8 +328,10 @@ def write_report(priced, path: Path = OUT) -> bool:
           "optimizer state over the data-parallel group *with* the context-parallel ranks (dp x cp; the expert "
           "state over the expert data-parallel group). Our layout does the same: zero 1-3 slice over "
           "`dp_shard x cp`, experts over `dp_shard x cp / ep` (estimate_memory.state_of), so a CP row needs no "
-          "adjustment. Megatron-Bridge's perf recipes reduce gradients in bf16 (`grad_reduce_in_fp32 = False`) "
-          "where our runtime keeps an fp32 gradient buffer: 2 bytes a parameter more in our figure.",
+          "adjustment. Megatron-Bridge's perf recipes reduce and keep gradients in bf16 "
+          "(`cfg.ddp.grad_reduce_in_fp32 = False` in scripts/performance/configs/*/ `set_*_common_configs`): "
+          "`grad_dtype=bf16` (`--grad-dtype bf16`). torchtitan reduces in fp32 "
+          "(`training.mixed_precision_reduce` = float32, its only value in 0.3.0): `grad_dtype=fp32`.",
           "- **Megatron VP** = `schedule=interleaved_1f1b,vpp=VP`; PP without VP = `schedule=1f1b`.",
           "- **Megatron recompute**: none unless the recipe sets it (no Llama or Qwen3 row here does); "
           "'selective' = `recompute=selective`; full with `--recompute-num-layers K` (method block) = "
