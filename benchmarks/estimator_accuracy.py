@@ -1,6 +1,6 @@
 """Trial vs estimator peak memory on models the tests never see, written to estimator_accuracy.md.
 
-    .venv/bin/python benchmarks/estimator_accuracy.py              # fp32 and bf16, five repeats
+    .venv/bin/python benchmarks/estimator_accuracy.py              # fp32, bf16, bf16-grads; five repeats
     .venv/bin/python benchmarks/estimator_accuracy.py --dtype bf16 --repeats 1
     .venv/bin/python benchmarks/estimator_accuracy.py --log OUTPUT  # reuse the peaks a run printed
     .venv/bin/python benchmarks/estimator_accuracy.py --sweeps DIR [DIR ...]
@@ -9,7 +9,8 @@ Each case is measured as a user measures it: `autotune trial --json` in its own
 processes, its `peak_mem_bytes` (the allocator's bytes of live tensors at their peak in
 each measured step, median over the steps, max over ranks: README, Metrics), against
 `autotune estimate --hardware cpu`'s `peak_mem_bytes` for the same model, layout and
-`--dtype`. The models (MODELS) are shaped unlike any preset or test model: odd widths,
+`--dtype` (`bf16-grads`: `--dtype bf16 --grad-dtype bf16`, gradients kept and reduced in
+bf16). The models (MODELS) are shaped unlike any preset or test model: odd widths,
 GQA, a vocabulary large next to the hidden size, a long sequence, an MoE with a shared
 expert. The layouts cover every dimension: DP with ZeRO 0-3 and HSDP, TP with and
 without SP, PP under every schedule, CP, EP, each recompute mode, recompute_layers,
@@ -47,6 +48,8 @@ from autotune.layout import INT_KEYS, STR_KEYS, resolve
 
 OUT = Path(__file__).with_name("estimator_accuracy.md")
 STEPS, WARMUP = 3, 2
+# The precisions measured: (--dtype, --grad-dtype) of each label.
+PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "bf16-grads": ("bf16", "bf16")}
 MODELS = {
     # GQA 3:1, widths no preset has
     "u1": dict(name="u1", vocab_size=1000, hidden_size=96, num_layers=6, num_heads=6, num_kv_heads=2,
@@ -94,22 +97,26 @@ def model_file(folder: Path, name: str) -> Path:
     return path
 
 
-def trial(folder: Path, ranks: int, model: str, layout: str, dtype: str) -> dict:
+def trial(folder: Path, ranks: int, model: str, layout: str, label: str) -> dict:
     """`autotune trial --json` for one case, as a user runs it."""
+    dtype, grad_dtype = PRECISIONS[label]
     command = [sys.executable, "-m", "autotune", "trial", "--model", str(model_file(folder, model)),
                "--gpus", str(ranks), "--layout", layout, "--dtype", dtype, "--steps", str(STEPS),
                "--warmup", str(WARMUP), "--peak-tflops", "1", "--json"]
+    command += ["--grad-dtype", grad_dtype] if grad_dtype else []
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     result = json.loads(done.stdout) if done.stdout.strip() else {}
     if result.get("status") != "complete":
-        raise SystemExit(f"{model} {layout} {dtype}: trial {result.get('status')}: "
+        raise SystemExit(f"{model} {layout} {label}: trial {result.get('status')}: "
                          f"{result.get('reason') or done.stderr.strip()[-400:]}")
     return result
 
 
-def predicted(ranks: int, model: str, layout: str, dtype: str):
+def predicted(ranks: int, model: str, layout: str, label: str):
+    dtype, grad_dtype = PRECISIONS[label]
     cfg = model_from_dict({**MODELS[model], "dtype": dtype})
-    return estimate(cfg, resolve(layout, cfg, ranks), load_hardware("cpu"), device="cpu", dtype=dtype)
+    return estimate(cfg, resolve(layout, cfg, ranks), load_hardware("cpu"), device="cpu", dtype=dtype,
+                    grad_dtype=grad_dtype)
 
 
 def logged_peaks(log: Path | None) -> dict[tuple, list[int]]:
@@ -118,7 +125,8 @@ def logged_peaks(log: Path | None) -> dict[tuple, list[int]]:
     found: dict[tuple, list[int]] = {}
     last = None
     for line in (log.read_text().splitlines() if log else []):
-        if match := re.match(r"(fp32|bf16) (\d+) (\S+) (.+?)\s+predicted\s+[\d,.]+ measured\s+([\d,]+) error", line):
+        pattern = r"(fp32|bf16-grads|bf16) (\d+) (\S+) (.+?)\s+predicted\s+[\d,.]+ measured\s+([\d,]+) error"
+        if match := re.match(pattern, line):
             last = (match[1], int(match[2]), match[3], match[4].strip())
             found[last] = [int(match[5].replace(",", ""))]
         elif (match := re.match(r"\s+repeats \[([\d, ]+)\]", line)) and last:
@@ -279,9 +287,9 @@ median {median_worst(prior)}.**
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweeps", nargs="+", metavar="DIR", help="read these sweeps' trials.csv; run nothing")
-    parser.add_argument("--dtype", action="append", choices=["fp32", "bf16"], help="default: both")
+    parser.add_argument("--dtype", action="append", choices=list(PRECISIONS), help="default: all three")
     parser.add_argument("--repeats", type=int, default=5, help="trials of each REPEATED layout (default 5)")
     parser.add_argument("--log", type=Path, help="a previous run's output: reuse the peaks it measured")
     args = parser.parse_args()
-    sys.exit(sweep_accuracy(args.sweeps) if args.sweeps else main(args.dtype or ["fp32", "bf16"], args.repeats,
+    sys.exit(sweep_accuracy(args.sweeps) if args.sweeps else main(args.dtype or list(PRECISIONS), args.repeats,
                                                                    args.log))
