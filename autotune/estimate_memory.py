@@ -218,27 +218,53 @@ def mlp_saved_per_width(model: ModelConfig) -> int:
 
 def op_saved_tensors(model: ModelConfig, moe: bool, compute: int, tp: int, expert_parallel: bool = False
                      ) -> list[Saved]:
-    """Per-op recompute (runtime/parallel/recompute.py) keeps a block's input and the
-    outputs of its matmuls, fused attention and tensor-parallel collectives; norms, RoPE
-    and the SwiGLU's gating are recomputed from them."""
+    """Per-op recompute (runtime/parallel/recompute.py, torchtitan's policy) keeps a block's
+    input, the outputs of its fused attention and tensor-parallel collectives, and of its
+    matmuls in forward order the first, third, fifth...: wq, wv, and in a gated MLP up
+    and down, in a plain one up (wk, wo and gate, or down, are recomputed with the norms,
+    RoPE and the gating). An MoE block's parts count their own matmuls (the attention's
+    as a dense block's, the shared experts' as an MLP's) and keep every routed-expert
+    tensor."""
     h = model.hidden_size
     q, k, v = attention_widths(model)
-    items = [Saved("block input", h, compute, "sp"),
-             Saved("q, k, v (matmul outputs)", q + k + v, compute, "tp"),
+    items = [Saved("block input", h, compute, "sp"), Saved("q, v (wq, wv outputs)", q + v, compute, "tp"),
              Saved("attention output", model.num_heads * model_size.attention_head_dims(model)[1], compute, "tp"),
-             Saved("log-sum-exp", model.num_heads, 4, "tp"),
-             Saved("wo output", h, compute, "full")]
+             Saved("log-sum-exp", model.num_heads, 4, "tp")]
     if tp > 1:
         items.append(Saved("wo's reduction", h, compute, "sp"))
     if moe:
-        items += mlp_saved_tensors(model, True, compute, expert_parallel)
+        routed = [i for i in mlp_saved_tensors(model, True, compute, expert_parallel) if i.name != "shared experts"]
+        items += routed
+        if model.moe.num_shared_experts:
+            width = model.moe.num_shared_experts * model.moe.expert_ffn_hidden_size
+            items += [Saved(f"shared experts' {name}", elements, compute, "full")
+                      for name, elements in kept_mlp_matmuls(model, width)]
     else:
-        items += [Saved("first-half matmul outputs", (model_size.mlp_matrices(model) - 1) * model.ffn_hidden_size,
-                        compute, "tp"),
-                  Saved("down output", h, compute, "full")]
+        items += [Saved(f"mlp {name}", elements, compute, "tp" if name == "up" else "full")
+                  for name, elements in kept_mlp_matmuls(model, model.ffn_hidden_size)]
         if tp > 1:
             items.append(Saved("down's reduction", h, compute, "sp"))
     return items
+
+
+def kept_mlp_matmuls(model: ModelConfig, width: int) -> list[tuple[str, int]]:
+    """The MLP outputs op recompute keeps, (name, elements per token), counting its matmuls
+    on its own: gated up (1st) and down (3rd), gate (2nd) recomputed; plain up (1st), down
+    (2nd) recomputed. In a dense block the attention's four matmuls come first, which
+    leaves the same ones (5th and 7th; 5th)."""
+    if model.mlp in model_size.GATED_MLPS:
+        return [("up", width), ("down output", model.hidden_size)]
+    return [("up", width)]
+
+
+def op_recomputed_params(model: ModelConfig, moe: bool) -> float:
+    """Parameters of one layer whose matmuls op recompute runs again in backward: wk, wo
+    and (gated) gate or (plain) down, of the dense MLP or of the shared experts."""
+    h = model.hidden_size
+    q, k, _ = attention_widths(model)
+    width = model.ffn_hidden_size if not moe else (
+        model.moe.num_shared_experts * model.moe.expert_ffn_hidden_size if model.moe else 0)
+    return h * k + q * h + h * width
 
 
 @dataclass(frozen=True)

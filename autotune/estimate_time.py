@@ -26,6 +26,7 @@ from autotune.estimate_memory import (
     attention_widths,
     full_recompute_layers,
     model_figures,
+    op_recomputed_params,
     precision,
     reshards_after_forward,
     stage_chunks,
@@ -140,10 +141,11 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     values over the full sequence, no causal discount), split forward : input-gradient
     : weight-gradient = 1 : 1 : 1 for matmuls and 1 : 2 : 0 for the attention core.
     Recompute adds the forward of what it dropped (full: the block; selective: the
-    core). A rank does 1/tp of the matmuls of its cp-th of the tokens, but all of an MoE
-    block's (tensor parallel leaves MoE blocks whole: every tp rank routes the whole
-    sequence); under expert parallel a rank's experts get, with even routing, as many
-    rows (k per token) as its own tokens send out.
+    core; op: every second matmul, op_rerun). A rank does 1/tp of the matmuls of its
+    cp-th of the tokens, but all of an MoE block's (tensor parallel leaves MoE blocks
+    whole: every tp rank routes the whole sequence); under expert parallel a rank's
+    experts get, with even routing, as many rows (k per token) as its own tokens send
+    out.
 
     `linear_flops_per_s`: the rate of the blocks' linear layers (attention projections,
     dense MLPs), which fp8 and mxfp8 run in 8 bits (the device's fp8 / MX peak); the
@@ -165,10 +167,19 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     core = tokens * model_size.attention_flops_per_token(model) / 3 / model.num_layers / tp / flops_per_s
     linear_rate = linear_flops_per_s or flops_per_s
 
+    def op_rerun(moe: bool) -> float:
+        """Op recompute's second matmuls (estimate_memory.op_recomputed_params): the
+        attention's wk and wo split by tp; the MLP's gate or down split by tp, or the
+        shared experts' whole (MoE blocks are not split) at the experts' rate."""
+        q, k, _ = attention_widths(model)
+        attention = (h * k + q * h) / tp / linear_rate
+        mlp = op_recomputed_params(model, moe) - h * k - q * h
+        return 2 * tokens * (attention + (mlp / flops_per_s if moe else mlp / tp / linear_rate))
+
     def layer(mlp_params: float, mode: str, moe: bool = False) -> tuple[float, float, float]:
         mlp_rate = flops_per_s if moe else linear_rate
         matmul = 2 * tokens * (fig.attention / tp / linear_rate + mlp_params / mlp_rate)
-        recompute = {"none": 0.0, "selective": core, "op": 0.0, "full": matmul + core}[mode]
+        recompute = op_rerun(moe) if mode == "op" else {"none": 0.0, "selective": core, "full": matmul + core}[mode]
         return matmul + core, matmul + 2 * core + recompute, matmul
 
     # Under recompute_layers K only the first K layers of each stage rerun in full.
