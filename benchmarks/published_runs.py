@@ -224,15 +224,20 @@ def reading_lines() -> list[str]:
         "(`grad_reduce_in_fp32 = False`); those rows are priced with `grad_dtype=bf16`, the runtime's "
         "`--grad-dtype bf16` (a bf16 gradient buffer reduced in bf16, the optimizer step in fp32), 2 bytes a "
         "parameter below an fp32 buffer (up to 48 GiB on a 405B rank at TP4 PP8).",
-        "- **torchtitan's reported peaks are above ours on full-recompute rows** for two reasons outside our "
+        "- **torchtitan's reported peaks of December 2024 (tt-a) are above ours** for two reasons outside our "
         "runtime: torchtitan's loss (train.py at the benchmark's commit) upcasts the whole logits to fp32 "
         "without chunking (at 32k tokens and a 128k vocabulary: 7.8 GiB bf16 logits, 15.7 GiB fp32 copy and "
         "15.7 GiB fp32 gradient, against the 15.7 GiB of logits and loss buffers we count); and under PP "
         "torch's PipelineStage turns FSDP gradient sync off until the last micro-batch, so FSDP2 accumulates "
         "the stage's unsharded gradients in fp32 (405B at TP8 PP8: 6.3B parameters, 23.6 GiB), where our zero "
         "3 under PP counts reduced shards. The figures are reserved memory (a few GiB above active) and "
-        "torch.compile changes what is saved. The selective-op rows (activations dominate) land within 3-14% "
-        "below the reserved figure.", ""]
+        "torch.compile changes what is saved. On the selective-op rows at 16k tokens a micro-batch the same "
+        "loss holds 3.9 GiB of bf16 logits, 7.8 GiB each of their fp32 log-softmax and its gradient, 3.9 GiB of "
+        "bf16 gradient and, while it lives, 7.8 GiB of fp32 copy: 23 to 31 GiB against the 7.8 GiB of logits and "
+        "loss buffers we count, which puts tt-a1 (51.6 GiB predicted) at 67 to 75 GiB against 82.4 reserved. "
+        "The June 2025 rows (tt-c, torch.compile with the loss compiled) land 10-11% below the reserved figure. "
+        "Until recompute=op followed torchtitan's policy (every second matmul recomputed) the tt-a rows came "
+        "within 3-14%, by two errors of opposite sign, and the tt-c rows 30% above.", ""]
 
 
 def write_report(priced, path: Path = OUT) -> bool:
@@ -344,9 +349,9 @@ def write_report(priced, path: Path = OUT) -> bool:
           "`dp_shard < dp`, where torchtitan replicates; no row here does). With CP torchtitan shards over the "
           "FSDP x CP mesh, as `zero=3` does over `dp_shard x cp`. Under PP torchtitan keeps the parameters "
           "gathered from forward to backward (reshard_after_forward off), as our zero 3 does under PP.",
-          "- **torchtitan AC**: `selective` with `selective_ac_option = 'op'` = `recompute=op` (torchtitan's "
-          "policy saves the matmul and attention outputs but recomputes every other matmul; ours keeps every "
-          "matmul output, so it over-counts these rows a little); `full` = `recompute=full`.",
+          "- **torchtitan AC**: `selective` with `selective_ac_option = 'op'` = `recompute=op` (the same policy: "
+          "the attention outputs and every other matmul output kept, the rest recomputed); `full` = "
+          "`recompute=full`.",
           "- **torchtitan PP micro-batches**: the default count is the number of stages (pp, or 2 pp for looped "
           "schedules, which default to 2 stages per rank), so mbs = local batch / micro-batches.",
           "- **Precision**: fp8 rows (torchtitan Float8, Megatron FP8 current scaling) are priced as `fp8`, MXFP8 "
