@@ -275,6 +275,24 @@ def test_recompute_keeps_fewer_activations():
     assert kept[2] < 0.2 * kept[0]
 
 
+def test_op_recompute_keeps_every_other_matmul_output_as_torchtitan():
+    """torchtitan's op policy on a Llama block: wq, wv, up and down outputs kept (with the
+    block input, the attention output and its log-sum-exp); wk, wo and gate recomputed,
+    which costs their forward matmuls again: more time than none, less than full."""
+    from autotune.estimate_memory import layer_bytes
+
+    m = LLAMA_70B
+    q, kv, h, ffn = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.hidden_size, m.ffn_hidden_size
+    expected = 2 * (h + q + kv + q + ffn + h) + 4 * m.num_heads
+    assert layer_bytes(m, False, 2, False, 1, False, "op") == expected
+    texts = [f"tp=8,recompute={r}" for r in ("none", "op", "full")]
+    none, op, full = (estimate(m, resolve(t, m, 8, 8), H100, calibration=NO_LATENCY) for t in texts)
+    assert none.step_time_s < op.step_time_s < full.step_time_s
+    rerun = 2 * m.seq_len * (h * kv + q * h + h * ffn) / 8 * m.num_layers * op.grad_accum
+    flops_per_s = H100.peak_tflops * 1e12 * NO_LATENCY.compute_efficiency
+    assert op.compute_s - none.compute_s == pytest.approx(rerun / flops_per_s, rel=1e-6)
+
+
 def test_recompute_layers_keep_some_layers_whole_and_cost_less_time():
     """Full recompute of the first K layers of each stage holds between none and full,
     in the order the layouts are priced (one model's memo serves them all)."""

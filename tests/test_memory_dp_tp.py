@@ -41,12 +41,13 @@ def test_zero_and_tp_shard_state_at_4_ranks():
 
 def test_recompute_and_tensor_parallel_hold_fewer_activations():
     """Activations held at the end of a micro-batch's forward, per rank, 2 ranks.
-    Measured on tiny: op 0.78 of none, full 0.13; tp=2 0.66. (Sequence parallel is
-    measured by the allocator below: this probe cannot see inside its halves.)"""
+    Measured on tiny: op 0.53 of none (torchtitan's policy, every second matmul
+    recomputed; keeping every matmul output held 0.78), full 0.13; tp=2 0.66. (Sequence
+    parallel is measured by the allocator below: this probe cannot see inside its halves.)"""
     layouts = [full(text, 2) for text in ("recompute=none", "recompute=op", "recompute=full", "tp=2")]
     for none, per_op, whole, tp2 in run_on_ranks(2, activation_bytes, layouts):
         assert whole <= 0.25 * none
-        assert whole < per_op <= 0.85 * none
+        assert whole < per_op <= 0.6 * none
         assert tp2 <= 0.75 * none  # heads and the MLP split in two
 
 
