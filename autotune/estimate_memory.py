@@ -224,7 +224,7 @@ def op_saved_tensors(model: ModelConfig, moe: bool, compute: int, tp: int, exper
     and down, in a plain one up (wk, wo and gate, or down, are recomputed with the norms,
     RoPE and the gating). An MoE block's parts count their own matmuls (the attention's
     as a dense block's, the shared experts' as an MLP's) and keep every routed-expert
-    tensor."""
+    tensor and, under expert parallel, the token all-to-alls' outputs."""
     h = model.hidden_size
     q, k, v = attention_widths(model)
     items = [Saved("block input", h, compute, "sp"), Saved("q, v (wq, wv outputs)", q + v, compute, "tp"),
@@ -233,8 +233,21 @@ def op_saved_tensors(model: ModelConfig, moe: bool, compute: int, tp: int, exper
     if tp > 1:
         items.append(Saved("wo's reduction", h, compute, "sp"))
     if moe:
-        routed = [i for i in mlp_saved_tensors(model, True, compute, expert_parallel) if i.name != "shared experts"]
-        items += routed
+        # By parts: each part's input is kept, so the norms' outputs and the residual
+        # between attention and MLP are too; the routed experts keep every matmul output
+        # (gate and up, not their product; the down projection's output besides the copy
+        # the combine keeps).
+        k, ef = model.moe.top_k, model.moe.expert_ffn_hidden_size
+        items += [Saved("attention norm output", h, compute, "sp"), Saved("mlp norm input", h, compute, "sp"),
+                  Saved("mlp norm output", h, compute, "sp")]
+        for item in mlp_saved_tensors(model, True, compute, expert_parallel):
+            if item.name.startswith("expert ("):
+                item = dataclasses.replace(item, elements=(mlp_saved_per_width(model) - 1) * k * ef)
+            if item.name != "shared experts":
+                items.append(item)
+        items.append(Saved("experts' down outputs", k * h, compute, "full"))
+        if expert_parallel:  # the token all-to-alls' outputs, kept by the policy
+            items.append(Saved("dispatch and combine all-to-all outputs", 2 * k * h, compute, "full"))
         if model.moe.num_shared_experts:
             width = model.moe.num_shared_experts * model.moe.expert_ffn_hidden_size
             items += [Saved(f"shared experts' {name}", elements, compute, "full")
