@@ -21,8 +21,8 @@ from autotune.config import ModelConfig
 from autotune.errors import UsageError
 from autotune.schedules import DEFAULT_SCHEDULE, SCHEDULES
 
-# none; selective: the attention core (Megatron's selective); op: per-op (torchtitan's
-# selective op: keep matmul outputs, recompute the cheap ops); full: whole layers.
+# none; selective: the attention core (Megatron's selective); op: per-op, torchtitan's
+# selective op policy (keep every other matmul output, recompute the rest); full: whole layers.
 RECOMPUTE = ("none", "selective", "op", "full")
 ZERO = (0, 1, 2, 3)
 INT_KEYS = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "vpp", "sp", "recompute_layers")

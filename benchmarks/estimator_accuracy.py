@@ -75,6 +75,7 @@ CASES = [
     (2, "u1", "dp=2,zero=0,mbs=2"), (2, "u1", "dp=2,zero=1"), (2, "u1", "dp=2,zero=2,mbs=2"), (2, "u2", "dp=2,zero=3"),
     (2, "u1", "tp=2"), (2, "u1", "tp=2,sp=1"), (2, "u2", "tp=2,sp=1,mbs=2"), (2, "ul", "cp=2"),
     (2, "ul", "cp=2,recompute=full"), (2, "um", "ep=2,mbs=2"), (2, "um", "ep=2,zero=3"),
+    (2, "u1", "tp=2,sp=1,recompute=op"), (2, "um", "ep=2,mbs=2,recompute=op"),
     *[(2, "u1", f"pp=2,{schedule}") for schedule in SCHEDULES],
     (2, "u2", "pp=2,schedule=1f1b,mbs=2"), (2, "u1", "pp=2,schedule=1f1b,recompute=full,recompute_layers=1"),
     (4, "u1", "dp=4,zero=1,mbs=2"), (4, "u1", "dp=4,dp_shard=2,zero=3"), (4, "u2", "dp=4,zero=2"),
@@ -157,7 +158,8 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None) -> int:
                     print(f"    repeats {peaks}: spread {max(peaks) / min(peaks) - 1:.3%}", flush=True)
 
     lines = ["# Estimator accuracy: trial vs estimator peak memory", "",
-             "Regenerate with `.venv/bin/python benchmarks/estimator_accuracy.py` (about an hour on two cores). "
+             "Regenerate with `.venv/bin/python benchmarks/estimator_accuracy.py` (about 80 minutes on two cores: "
+             "three precisions and the repeats). "
              f"{today()}, {machine()}.", "",
              "Measured: `autotune trial --json`'s `peak_mem_bytes` (the allocator's live bytes at their peak in each "
              f"of {STEPS} measured steps after {WARMUP} warm-up steps, median over steps, max over ranks). "

@@ -103,9 +103,9 @@ def torchtitan(t: Target) -> Export:
         maps.append(Mapping(f"dtype={m.dtype}", "none", "", "torchtitan selects it by its model converters"))
     mode = AC_MODES[L.recompute]
     exact = L.recompute in ("none", "op") or (L.recompute == "full" and not L.recompute_layers)
-    note = {"selective": "torchtitan's selective checkpointing is per-op (it keeps matmul outputs), not the "
-                         "attention core alone",
-            "op": "per-op: matmul outputs kept, the cheap ops recomputed, as ours",
+    note = {"selective": "torchtitan's selective checkpointing is per-op (it keeps every other matmul output), "
+                         "not the attention core alone",
+            "op": "per-op, the same policy as ours: every other matmul output kept, the rest recomputed",
             "full": "torchtitan recomputes every layer, ours the first K of each stage" if L.recompute_layers
             else "every layer recomputed from its input"}.get(L.recompute, "")
     args.append(f"activation-checkpoint:{mode}")
