@@ -215,7 +215,8 @@ def test_exports_of_a_known_data_parallel_layout(tmp_path):
     write_best(tmp_path, known_question(), best_row(layout))
     assert json.loads((tmp_path / "deepspeed.json").read_text()) == {
         "train_batch_size": 512, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 16,
-        "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+        "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+        "communication_data_type": "fp32"}  # the runtime's default: gradients reduced in fp32
     notes = (tmp_path / "deepspeed_notes.md").read_text()
     assert "No equivalent here" in notes and "recompute=selective" in notes.split("No equivalent here")[1]
     args = megatron_args(tmp_path / "megatron_args.sh")
