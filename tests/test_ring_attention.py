@@ -13,6 +13,7 @@ from autotune_kernels.attention import (
     attention_with_lse,
     head_tail_positions,
     head_tail_shard,
+    window_mask,
 )
 from support.ring_probe import ring_checks
 from support.spawn_group import run_on_ranks
@@ -47,6 +48,25 @@ def test_fused_op_and_its_log_sum_exp_equal_the_math(causal, q_len, k_len, kv_he
     math = attention_backward_reference(dout, q, k, v, ref_out, ref_lse, causal)
     assert [t.shape for t in fused] == [q.shape, k.shape, v.shape]
     assert all(max_error(a, b) <= TOL for a, b in zip(fused, math))
+
+
+def test_masked_kernel_equals_the_math_and_leaves_keyless_rows_out():
+    """A window's edge block: the bool mask of visible pairs, some rows seeing no key. Those
+    rows must come back with lse -inf and output 0 (the CPU kernel itself reports lse 0),
+    so that merging them into the ring's result changes nothing."""
+    q, k, v, dout = inputs()
+    mask = window_mask(24, 24, offset=20, window=8, device="cpu")  # rows 4.. see no key
+    assert not mask[-1].any() and mask[0].any()
+    out, lse = attention_with_lse(q, k, v, False, mask=mask)
+    ref_out, ref_lse = attention_reference(q, k, v, False, mask=mask)
+    assert torch.isneginf(lse[..., ~mask.any(-1)]).all() and torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    seen = mask.any(-1)
+    assert max_error(out, ref_out) <= TOL and max_error(lse[..., seen], ref_lse[..., seen]) <= TOL
+    finite = lse.masked_fill(~seen, 0.0)  # as the ring differentiates: against a finite merged lse
+    fused = attention_backward(dout, q, k, v, out, finite, False, mask=mask)
+    math = attention_backward_reference(dout, q, k, v, out, finite, False, mask=mask)
+    assert all(max_error(a, b) <= TOL for a, b in zip(fused, math))
+    assert fused[0][:, ~seen].abs().max() == 0  # keyless rows get no query gradient
 
 
 def test_math_backward_is_the_gradient_of_the_math_forward():
@@ -99,12 +119,19 @@ def test_head_tail_shards_partition_the_sequence():
         head_tail_positions(20, 4, 0)
 
 
-def case(causal, seq=32, heads=8, kv_heads=4, seed=0):
+def case(causal, seq=32, heads=8, kv_heads=4, seed=0, window=None):
     return {"causal": causal, "batch": 2, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": 8,
-            "seed": seed}
+            "seed": seed, "window": window}
 
 
-CASES = [case(True), case(True, kv_heads=8, seed=1), case(True, kv_heads=1, seed=2), case(False, seed=3)]
+# Windows of 3 and 11 tokens: inside one chunk and across chunks, at cp 2 (chunks of 8) and 4 (of 4).
+CASES = [case(True), case(True, kv_heads=8, seed=1), case(True, kv_heads=1, seed=2), case(False, seed=3),
+         case(True, seed=4, window=3), case(True, kv_heads=2, seed=5, window=11)]
+
+
+def band_pairs(seq: int, window: int) -> int:
+    """Query-key pairs a causal window of `window` tokens holds: query i sees min(i+1, window) keys."""
+    return sum(min(i + 1, window) for i in range(seq))
 
 
 def check_ring(ranks: list[dict], size: int) -> None:
@@ -114,6 +141,13 @@ def check_ring(ranks: list[dict], size: int) -> None:
             assert max(r["errors"].values()) <= TOL, (size, spec, rank, r["errors"])
         seq, steps = spec["seq"], [r["forward_pairs"] for r in results]
         assert all(r["backward_pairs"] == r["forward_pairs"] for r in results)
+        if spec["window"]:
+            # Only pairs inside the window are computed (none empty), each once over the ranks;
+            # far fewer kernel calls than 4 chunk pairs a step.
+            assert all(all(pairs > 0 for pairs in s) for s in steps)
+            assert sum(map(sum, steps)) == band_pairs(seq, spec["window"])
+            assert max(map(len, steps)) < 4 * size
+            continue
         assert all(len(s) == size for s in steps)  # one block per ring step
         if spec["causal"]:
             # Balanced: every rank the same pairs at every step, c(2c+1) on its own block
@@ -127,8 +161,9 @@ def check_ring(ranks: list[dict], size: int) -> None:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_ring_attention_equals_full_attention_and_balances_work(size):
-    """cp 2 and 4; causal (GQA 8:4, MHA, MQA 8:1) head-tail sharded, and not causal:
-    output, lse and dq/dk/dv within 1e-5 of full attention's on each rank's tokens."""
+    """cp 2 and 4; causal (GQA 8:4, MHA, MQA 8:1) head-tail sharded, and not causal, and
+    sliding windows: output, lse and dq/dk/dv within 1e-5 of full attention's on each
+    rank's tokens."""
     ranks = run_on_ranks(size, ring_checks, CASES, case(True))
     check_ring(ranks, size)
     for r in ranks:

@@ -35,42 +35,50 @@ def random_inputs(case: dict):
     return draw(case["heads"]), draw(case["kv_heads"]), draw(case["kv_heads"]), draw(case["heads"])
 
 
-def full_attention(q, k, v, dout, causal: bool):
+def full_attention(q, k, v, dout, causal: bool, window: int | None = None):
     """Torch's own SDPA on the whole sequence, differentiated by autograd; the
-    log-sum-exp from the masked scores by definition."""
+    log-sum-exp from the masked scores by definition. `window`: each query sees the
+    last `window` positions (a bool band mask, built here from its definition)."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=causal,
-                                         enable_gqa=True).transpose(1, 2)
+    seq = q.shape[1]
+    visible = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if window:
+        visible &= torch.ones(seq, seq, dtype=torch.bool).triu(1 - window)
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=causal and not window,
+                                         attn_mask=visible if window else None, enable_gqa=True).transpose(1, 2)
     out.backward(dout)
     k_rep = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k_rep) / q.shape[-1] ** 0.5
     if causal:
-        scores = scores.masked_fill(torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(~visible, float("-inf"))
     return out.detach(), torch.logsumexp(scores, -1), *(t.grad for t in leaves)
 
 
 class PairCounter:
     """Wraps the kernels the ring calls and counts the query-key pairs each call
-    evaluates (a causal block of n queries: n(n+1)/2), per call in order."""
+    evaluates (a causal block of n queries: n(n+1)/2; a masked block: its visible
+    pairs), per call in order."""
 
     def __init__(self):
         self.forward, self.backward = [], []
         self.original = kernels.attention_with_lse, kernels.attention_backward
 
     @staticmethod
-    def pairs(q, k, causal) -> int:
+    def pairs(q, k, causal, mask=None) -> int:
+        if mask is not None:
+            return int(mask.sum())
         return q.shape[1] * (q.shape[1] + 1) // 2 if causal else q.shape[1] * k.shape[1]
 
     def __enter__(self):
         forward, backward = self.original
 
-        def counted_forward(q, k, v, causal, scale=None):
-            self.forward.append(self.pairs(q, k, causal))
-            return forward(q, k, v, causal, scale)
+        def counted_forward(q, k, v, causal, scale=None, mask=None):
+            self.forward.append(self.pairs(q, k, causal, mask))
+            return forward(q, k, v, causal, scale, mask)
 
-        def counted_backward(dout, q, k, v, out, lse, causal, scale=None):
-            self.backward.append(self.pairs(q, k, causal))
-            return backward(dout, q, k, v, out, lse, causal, scale)
+        def counted_backward(dout, q, k, v, out, lse, causal, scale=None, mask=None):
+            self.backward.append(self.pairs(q, k, causal, mask))
+            return backward(dout, q, k, v, out, lse, causal, scale, mask)
 
         kernels.attention_with_lse, kernels.attention_backward = counted_forward, counted_backward
         return self
@@ -82,21 +90,21 @@ class PairCounter:
 def ring_against_full(cases: list[dict]) -> list[dict]:
     """Per case on this rank: the largest differences of the ring's output, log-sum-exp
     and gradients from full attention's (on this rank's tokens), and the pairs computed
-    at each ring step forward and backward. Causal cases are head-tail sharded,
+    in each kernel call forward and backward. Causal cases are head-tail sharded,
     the others cut into contiguous blocks (any split works without a mask)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     results = []
     for case in cases:
-        causal = case["causal"]
+        causal, window = case["causal"], case.get("window")
         q, k, v, dout = random_inputs(case)
-        full = full_attention(q, k, v, dout, causal)
+        full = full_attention(q, k, v, dout, causal, window)
 
         def mine(t, dim=1, causal=causal):
             return kernels.head_tail_shard(t, size, rank, dim) if causal else t.chunk(size, dim)[rank]
 
         local = [mine(t).requires_grad_() for t in (q, k, v)]
         with PairCounter() as counter:
-            out, lse = kernels.ring_attention(*local, dist.group.WORLD, causal)
+            out, lse = kernels.ring_attention(*local, dist.group.WORLD, causal, window)
             out.backward(mine(dout))
         got = (out, lse, *(t.grad for t in local))
         expected = [mine(full[0]), mine(full[1], dim=2)] + [mine(t) for t in full[2:]]
