@@ -5,10 +5,11 @@ trial must train exactly that model or not start: a layout measured on a differe
 model answers a different question. So `autotune trial` and `run` refuse such a
 model with exit 2 before anything is launched.
 
-Trained: GQA attention with or without QK-norm, every MLP kind (dense, routed and
-shared experts), MoE with dense layers between, RMSNorm, RoPE, an untied head, under
-every parallel dimension. Not yet: MLA, sliding windows, biases, LayerNorm, learned
-positions, tied embeddings.
+Trained: GQA attention with or without QK-norm, MLA, sliding windows, every MLP kind
+(dense, routed and shared experts), MoE with dense layers between, RMSNorm, RoPE, an
+untied head, under every parallel dimension. Not yet: biases, LayerNorm, learned
+positions, tied embeddings, MLA values wider than its queries (the runtime pads values
+to the query width: runtime/mla.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from autotune.errors import UsageError
 
 def model_refusal(model: ModelConfig) -> str | None:
     """Why the runtime cannot train this model under any layout, or None."""
-    if model.attention == "mla":
-        return f"{model.name}: attention: mla is priced by the estimator but not trained by the runtime yet"
-    if model.sliding_window is not None:
-        return f"{model.name}: sliding_window is priced by the estimator but not trained by the runtime yet"
+    if model.attention == "mla" and model.mla.v_head_dim > model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim:
+        return (f"{model.name}: mla.v_head_dim ({model.mla.v_head_dim}) wider than the query head "
+                f"({model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim}) is priced by the estimator but not "
+                f"trained by the runtime yet")
     if model.bias != "none":
         return f"{model.name}: bias: {model.bias} is priced by the estimator but not trained by the runtime yet"
     if model.norm != "rmsnorm":

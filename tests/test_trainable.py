@@ -15,8 +15,9 @@ TINY = load_model("tiny")
 
 @pytest.mark.parametrize("changes, field", [
     ({"attention": "mla", "head_dim": None, "num_kv_heads": 8, "mla": {"kv_lora_rank": 16, "qk_nope_head_dim": 8,
-                                                    "qk_rope_head_dim": 8, "v_head_dim": 8}}, "attention: mla"),
-    ({"sliding_window": 16}, "sliding_window"), ({"bias": "qkv"}, "bias: qkv"),
+                                                    "qk_rope_head_dim": 8, "v_head_dim": 24}},
+     r"mla.v_head_dim \(24\) wider than the query head \(16\)"),
+    ({"bias": "qkv"}, "bias: qkv"),
     ({"norm": "layernorm"}, "norm: layernorm"),
     ({"learned_positions": 64}, "learned_positions"), ({"tie_embeddings": True}, "tie_embeddings"),
 ])
@@ -28,16 +29,19 @@ def test_untrained_kinds_are_refused_by_field(changes, field):
 
 def test_trained_kinds_pass():
     for mlp in ("swiglu", "geglu", "gelu", "relu2"):
-        assert model_refusal(dataclasses.replace(TINY, mlp=mlp, qk_norm=True)) is None
-    assert model_refusal(load_model("qwen3-30b-a3b")) is None
+        assert model_refusal(dataclasses.replace(TINY, mlp=mlp, qk_norm=True, sliding_window=16)) is None
+    for preset in ("qwen3-30b-a3b", "deepseek-v3"):
+        assert model_refusal(load_model(preset)) is None
 
 
-def test_trial_and_run_refuse_before_launching(capsys):
-    for argv in (["trial", "--model", "deepseek-v3", "--gpus", "1", "--layout", "mbs=1"],
-                 ["run", "--model", "deepseek-v3", "--gpus", "1"]):
+def test_trial_and_run_refuse_before_launching(capsys, tmp_path):
+    path = tmp_path / "tiny-bias.yaml"
+    path.write_text((PRESET_DIR / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-bias") + "bias: qkv\n")
+    for argv in (["trial", "--model", str(path), "--gpus", "1", "--layout", "mbs=1"],
+                 ["run", "--model", str(path), "--gpus", "1"]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "attention: mla is priced by the estimator but not trained" in err[0]
+        assert len(err) == 1 and "bias: qkv is priced by the estimator but not trained" in err[0]
 
 
 def test_models_describes_files_and_presets_without_cutting_names(capsys, tmp_path):

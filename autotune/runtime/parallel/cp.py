@@ -36,14 +36,16 @@ from autotune_kernels.attention import head_tail_positions, head_tail_shard, rin
 
 
 class RingCoreAttention(nn.Module):
-    """Causal ring attention over a cp group; a drop-in for the model's CoreAttention."""
+    """Causal ring attention over a cp group, over the same sliding window if the layer
+    has one; a drop-in for the model's CoreAttention."""
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, cp_mesh: DeviceMesh, window: int | None = None):
         super().__init__()
         self.group = cp_mesh.get_group()
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, _ = ring_attention(q, k, v, self.group, causal=True)
+        out, _ = ring_attention(q, k, v, self.group, causal=True, window=self.window)
         return out
 
 
@@ -57,7 +59,7 @@ def apply_context_parallel(stage: nn.Module, cp_mesh: DeviceMesh, seq_len: int) 
     positions = head_tail_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(),
                                     device=torch.device(cp_mesh.device_type))
     for block in stage.layers.values():
-        block.attention.core = RingCoreAttention(cp_mesh)
+        block.attention.core = RingCoreAttention(cp_mesh, block.attention.core.window)
         block.attention.positions = positions
         if hasattr(block.mlp, "sequence_group"):
             block.mlp.sequence_group = cp_mesh.get_group()

@@ -10,6 +10,9 @@ reduce-scatter) per half is all the communication a block needs:
     MLP:       gate (gated kinds), up column-parallel (ffn/tp columns each), down row-parallel
     QK-norm:   its weights replicated (each rank normalises its own heads; their
                gradients are partial sums over tp, reduced like the SP norms')
+    MLA:       wq or wq_b, and wkv_b column-parallel (heads/tp heads each), wo
+               row-parallel; the down projections and latent norms left whole, like
+               the MoE blocks; the shared RoPE key's gradient all-reduced (runtime/mla.py)
     embedding: vocabulary-parallel (row-wise: each rank owns vocab/tp rows, the partial
                embeddings are summed)
     output:    vocabulary-parallel (column-wise) and left sharded: the loss is computed
@@ -50,6 +53,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from autotune.runtime.mla import MLAttention
 from autotune.runtime.mlp import FeedForward
 
 
@@ -73,12 +77,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     parallelize_module(model, tp_mesh, top_plan)
 
     for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-        }
+        attention = block.attention
+        if isinstance(attention, MLAttention):
+            plan = {f"attention.{name}": ColwiseParallel()
+                    for name in ("wq", "wq_b", "wkv_b") if getattr(attention, name) is not None}
+        else:
+            plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel()}
+        plan["attention.wo"] = RowwiseParallel(output_layouts=stream)
         dense = isinstance(block.mlp, FeedForward)  # MoE blocks stay whole (module docstring)
         if dense:
             plan.update({
@@ -99,6 +105,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                     use_local_output=True),
             })
         parallelize_module(block, tp_mesh, plan)
-        for norm in (block.attention.q_norm, block.attention.k_norm):
+        if isinstance(attention, MLAttention):
+            attention.tp_mesh = tp_mesh
+            continue
+        for norm in (attention.q_norm, attention.k_norm):
             if norm is not None:  # QK-norm: one weight for every head, replicated over tp
                 distribute_module(norm, tp_mesh)
