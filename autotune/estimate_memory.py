@@ -151,6 +151,13 @@ def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_para
             + norm_saved_tensors(model, compute, "mlp") + mlp_saved_tensors(model, moe, compute, expert_parallel))
 
 
+def windowed_fraction(model: ModelConfig) -> float:
+    """The share of layers whose attention takes a band mask (a window shorter than the sequence)."""
+    masked = sum(1 for layer in range(model.num_layers)
+                 if (w := model.window(layer)) is not None and w < model.seq_len)
+    return masked / model.num_layers
+
+
 def attention_widths(model: ModelConfig) -> tuple[int, int, int]:
     """(query width, key width, value width) per token of one layer's attention core: heads
     times their head dims (MLA: qk = nope + rope wide, v its own; every head has a key)."""
@@ -167,13 +174,19 @@ def attention_saved_tensors(model: ModelConfig, compute: int) -> list[Saved]:
     low-rank projections run whole on every tensor-parallel rank (their latents are not
     split by heads): each latent's RMSNorm saves its input and root, and its output is
     the up projection's input; the shared RoPE key is saved before it is broadcast to
-    the heads."""
+    the heads. Values narrower than keys are padded to the key width for the kernel."""
     q, k, v = attention_widths(model)
-    items = [Saved("q after rope", q, compute, "tp"), Saved("k after rope", k, compute, "tp"),
-             Saved("v", v, compute, "tp"),
-             Saved("attention output (wo's input)", model.num_heads * model_size.attention_head_dims(model)[1],
-                   compute, "tp"),
-             Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
+    items = [Saved("q after rope", q, compute, "tp"), Saved("k after rope", k, compute, "tp")]
+    if v < k:
+        # The fused kernels need values as wide as keys: MLA pads them (runtime/mla.py), and
+        # the kernel keeps its padded output; wo keeps the output cut back to v's width.
+        items += [Saved("v padded to the key width", k, compute, "tp"),
+                  Saved("attention output, padded", q, compute, "tp", core=True)]
+    else:
+        items.append(Saved("v", v, compute, "tp"))
+    items += [Saved("attention output (wo's input)", model.num_heads * model_size.attention_head_dims(model)[1],
+                    compute, "tp"),
+              Saved("log-sum-exp", model.num_heads, 4, "tp", core=True)]
     if model.qk_norm:
         heads = model.num_heads + model.num_kv_heads
         items += [Saved("qk-norm inputs", q + k, compute, "tp"), Saved("qk-norm rstd", heads, 4, "tp")]
@@ -766,6 +779,10 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     if layout.recompute == "op":
         rope_layers = 0
     rope = rope_layers * model.seq_len / layout.cp * model_size.rope_head_dim(model) * 4
+    # A sliding window's band mask: SDPA keeps it, [seq, seq] in the compute dtype, per
+    # windowed layer and micro-batch (runtime/model.py). Context parallel's ring masks
+    # only chunk pairs, as temporaries.
+    rope += rope_layers * windowed_fraction(model) * model.seq_len ** 2 * c if layout.cp == 1 else 0.0
     moe_fixed = shape.moe_layers * moe_layer_bytes(model, layout) if shape.moe_layers else 0.0
     per_chunk = (tokens * kept + rope + moe_fixed) / stage_chunks(layout)
     recomputed = tokens * (per_token("none") - kept) / shape.layers if recomputed_layers else 0.0

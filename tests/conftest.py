@@ -20,7 +20,7 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 # Modules whose every test starts processes.
 DISTRIBUTED_MODULES = {
-    "test_kinds_numerics", "test_fp8_numerics",
+    "test_kinds_numerics", "test_mla_window_numerics", "test_fp8_numerics",
     "test_cp_numerics", "test_dp_numerics", "test_ep_numerics", "test_launch", "test_memory_dp_tp",
     "test_memory_pp", "test_multinode", "test_pp_numerics", "test_reliability", "test_report_browser",
     "test_ring_attention", "test_runtime_dp", "test_study", "test_tp_numerics", "test_worker",

@@ -44,7 +44,11 @@ def test_mla_prices_its_low_rank_projections_and_head_dims():
     assert ds.attention_params() == attention
     assert ds.flops_per_token() == 6 * ds.active_matmul_params() + 61 * 6 * heads * (192 + 128) * ds.seq_len
     saved = {i.name: i.elements for i in block_saved_tensors(ds, True, 2)}
-    assert saved["q after rope"] == saved["k after rope"] == heads * 192 and saved["v"] == heads * 128
+    assert saved["q after rope"] == saved["k after rope"] == heads * 192
+    # values (128) padded to the key width (192) for the fused kernel, which keeps its padded
+    # output; wo keeps the output cut back to 128 a head (runtime/mla.py)
+    assert saved["v padded to the key width"] == saved["attention output, padded"] == heads * 192
+    assert saved["attention output (wo's input)"] == heads * 128 and "v" not in saved
     assert saved["kv latent norm input and output"] == 2 * m.kv_lora_rank
     no_q_latent = with_(ds, mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
     assert ds.attention_params() - no_q_latent.attention_params() == h * 1536 + 1536 + 1536 * heads * 192 \
