@@ -4,6 +4,11 @@
     .venv/bin/python benchmarks/estimator_accuracy.py --dtype bf16 --repeats 1
     .venv/bin/python benchmarks/estimator_accuracy.py --log OUTPUT  # reuse the peaks a run printed
     .venv/bin/python benchmarks/estimator_accuracy.py --sweeps DIR [DIR ...]
+    .venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16 --repeats 1
+
+`--kinds` measures the attention kinds apart (KIND_CASES: MLA with an MoE, sliding
+windows) into estimator_accuracy_kinds.md, so that a kind added to the runtime is
+measured without rerunning the whole table.
 
 Each case is measured as a user measures it: `autotune trial --json` in its own
 processes, its `peak_mem_bytes` (the allocator's bytes of live tensors at their peak in
@@ -47,6 +52,7 @@ from autotune.estimate import estimate
 from autotune.layout import INT_KEYS, STR_KEYS, resolve
 
 OUT = Path(__file__).with_name("estimator_accuracy.md")
+OUT_KINDS = Path(__file__).with_name("estimator_accuracy_kinds.md")
 STEPS, WARMUP = 3, 2
 # The precisions measured: (--dtype, --grad-dtype) of each label.
 PRECISIONS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "bf16-grads": ("bf16", "bf16")}
@@ -64,6 +70,16 @@ MODELS = {
     "um": dict(name="um", vocab_size=500, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                ffn_hidden_size=128, seq_len=64, global_batch_size=8,
                moe=dict(num_experts=4, top_k=2, expert_ffn_hidden_size=96, num_shared_experts=1)),
+    # DeepSeek-style: MLA with query compression, values narrower than keys, an MoE with a
+    # shared expert after a dense first layer
+    "ua": dict(name="ua", vocab_size=700, hidden_size=96, num_layers=4, num_heads=6, num_kv_heads=6, attention="mla",
+               mla=dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+               ffn_hidden_size=192, seq_len=64, global_batch_size=8,
+               moe=dict(num_experts=4, top_k=2, expert_ffn_hidden_size=64, num_shared_experts=1, layers=[1, 2, 3])),
+    # a GELU MLP and a 48-token window on every second layer of a 256-token sequence
+    "uw": dict(name="uw", vocab_size=600, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+               ffn_hidden_size=192, mlp="gelu", seq_len=256, global_batch_size=4, sliding_window=48,
+               sliding_window_layers=[0, 2]),
 }
 SCHEDULES = ["schedule=gpipe", "schedule=1f1b", "schedule=interleaved_1f1b,vpp=2", "schedule=zero_bubble,vpp=2",
              "schedule=zbv,vpp=2", "schedule=dualpipev,vpp=2"]
@@ -83,6 +99,11 @@ CASES = [
     (4, "u1", "pp=2,dp=2,zero=1,schedule=interleaved_1f1b,vpp=2"), (4, "ul", "cp=2,tp=2"),
     (4, "ul", "cp=2,dp=2,zero=2"), (4, "u1", "pp=4,schedule=1f1b"), (4, "um", "ep=2,zero=1"),
     (4, "um", "ep=2,tp=2,sp=1"), (4, "um", "pp=2,ep=2,schedule=1f1b"),
+]
+KIND_CASES = [
+    (1, "ua", "mbs=2"), (1, "ua", "recompute=selective,mbs=2"), (2, "ua", "tp=2,sp=1"), (2, "ua", "ep=2,mbs=2"),
+    (2, "ua", "dp=2,zero=3"), (2, "ua", "cp=2"), (2, "ua", "pp=2,schedule=1f1b"), (1, "uw", "mbs=1"),
+    (1, "uw", "recompute=full,mbs=2"), (2, "uw", "cp=2"), (2, "uw", "tp=2,sp=1"), (2, "uw", "pp=2,schedule=1f1b"),
 ]
 # One layout per dimension, measured --repeats times.
 REPEATED = [(2, "u1", "dp=2,zero=0,mbs=2"), (2, "u1", "dp=2,zero=1"), (2, "u1", "dp=2,zero=2,mbs=2"),
@@ -135,7 +156,7 @@ def logged_peaks(log: Path | None) -> dict[tuple, list[int]]:
     return found
 
 
-def main(dtypes: list[str], repeats: int, log: Path | None = None) -> int:
+def main(dtypes: list[str], repeats: int, log: Path | None = None, cases: list = CASES, out: Path = OUT) -> int:
     from results_section import machine, today
 
     rows, spreads = [], []
@@ -143,7 +164,7 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for dtype in dtypes:
-            for ranks, model, layout in CASES:
+            for ranks, model, layout in cases:
                 guess = predicted(ranks, model, layout, dtype)
                 logged = known.get((dtype, ranks, model, guess.layout.short()))
                 measured = {"peak_mem_bytes": logged[0]} if logged else trial(folder, ranks, model, layout, dtype)
@@ -157,14 +178,18 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None) -> int:
                     spreads.append((dtype, ranks, model, guess.layout.short(), peaks))
                     print(f"    repeats {peaks}: spread {max(peaks) / min(peaks) - 1:.3%}", flush=True)
 
-    lines = ["# Estimator accuracy: trial vs estimator peak memory", "",
-             "Regenerate with `.venv/bin/python benchmarks/estimator_accuracy.py` (about 80 minutes on two cores: "
-             "three precisions and the repeats). "
-             f"{today()}, {machine()}.", "",
+    kinds = cases is KIND_CASES
+    command = ("`.venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16 --repeats 1` "
+               "(about 10 minutes on two cores). " if kinds else
+               "`.venv/bin/python benchmarks/estimator_accuracy.py` (about 80 minutes on two cores: "
+               "three precisions and the repeats). ")
+    used = dict.fromkeys(model for _, model, _ in cases)
+    lines = ["# Estimator accuracy: trial vs estimator peak memory" + (", MLA and sliding windows" if kinds else ""),
+             "", "Regenerate with " + command + f"{today()}, {machine()}.", "",
              "Measured: `autotune trial --json`'s `peak_mem_bytes` (the allocator's live bytes at their peak in each "
              f"of {STEPS} measured steps after {WARMUP} warm-up steps, median over steps, max over ranks). "
              "Predicted: `autotune estimate --hardware cpu`'s. Models: "
-             + "; ".join(f"`{n}` {json.dumps(m)}" for n, m in MODELS.items()) + ".", ""]
+             + "; ".join(f"`{n}` {json.dumps(MODELS[n])}" for n in used) + ".", ""]
     verdict = True
     for dtype in dtypes:
         errors = [abs(e) for d, *_, e in rows if d == dtype]
@@ -189,8 +214,8 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None) -> int:
         for dtype, ranks, model, layout, peaks in spreads:
             lines.append(f"| {dtype} | {ranks} | {model} | {layout} | {', '.join(f'{p:,}' for p in peaks)} | "
                          f"{max(peaks) / min(peaks) - 1:.3%} |")
-    OUT.write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT}")
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
     return 0 if verdict else 1
 
 
@@ -292,6 +317,9 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", action="append", choices=list(PRECISIONS), help="default: all three")
     parser.add_argument("--repeats", type=int, default=5, help="trials of each REPEATED layout (default 5)")
     parser.add_argument("--log", type=Path, help="a previous run's output: reuse the peaks it measured")
+    parser.add_argument("--kinds", action="store_true", help="MLA and sliding windows only (KIND_CASES), into "
+                        f"{OUT_KINDS.name}")
     args = parser.parse_args()
+    cases, out = (KIND_CASES, OUT_KINDS) if args.kinds else (CASES, OUT)
     sys.exit(sweep_accuracy(args.sweeps) if args.sweeps else main(args.dtype or list(PRECISIONS), args.repeats,
-                                                                   args.log))
+                                                                   args.log, cases, out))
