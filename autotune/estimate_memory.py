@@ -470,8 +470,10 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     first, last = 0 in stages, last_stage in stages
 
     norms = 2 * model_size.norm_params(model, h)
-    dense_block = fig.attention / tp + norms + fig.dense_mlp / tp
-    moe_block = fig.attention / tp + norms + fig.moe_dense
+    whole = model_size.unsplit_attention_params(model)
+    attention = (fig.attention - whole) / tp + whole
+    dense_block = attention + norms + fig.dense_mlp / tp
+    moe_block = attention + norms + fig.moe_dense
     moe_experts = fig.moe_routed / layout.ep
     embedding = model.embedding_params() / tp
     head = 0.0 if model.tie_embeddings else embedding

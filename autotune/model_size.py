@@ -63,6 +63,16 @@ def attention_params(cfg, matmul_only: bool = False) -> int:
     return matmuls + bias + (2 * cfg.head_dim if cfg.qk_norm else 0)
 
 
+def unsplit_attention_params(cfg) -> int:
+    """Attention parameters tensor parallel leaves whole on every rank: MLA's down
+    projections and latent norms (runtime/mla.py); none for GQA."""
+    if cfg.attention != "mla":
+        return 0
+    m = cfg.mla
+    q = cfg.hidden_size * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank else 0
+    return q + cfg.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+
+
 def mlp_params(cfg, width: int, matmul_only: bool = False) -> int:
     """One MLP of the model's kind, `width` wide (the dense MLP, or one expert)."""
     matrices = mlp_matrices(cfg)

@@ -55,6 +55,17 @@ def test_mla_prices_its_low_rank_projections_and_head_dims():
         - h * heads * 192
 
 
+def test_tensor_parallel_leaves_mla_down_projections_whole():
+    """runtime/mla.py keeps the down projections and latent norms whole on every tp rank:
+    tp=2 halves only the rest of each layer's attention (and the MLP, the vocabulary)."""
+    ds = load_model("deepseek-v3")
+    whole = 7168 * 1536 + 1536 + 7168 * (512 + 64) + 512
+    dense = with_(ds, moe=None, num_layers=2)
+    one, two = (estimate(dense, resolve(f"tp={tp},mbs=1", dense, tp, 8), H100).memory["params"] for tp in (1, 2))
+    split = dense.num_params() - dense.num_layers * (whole + 2 * 7168) - 7168  # all but the whole ones and norms
+    assert one - two == 2 * split / 2  # bf16 parameters: 2 bytes each, half of them gone at tp=2
+
+
 def test_dense_first_layers_and_shared_experts_are_priced():
     ds = load_model("deepseek-v3")
     fig = model_figures(ds)
