@@ -66,4 +66,5 @@ def test_mla_moe_with_a_shared_expert_and_a_dense_first_layer_trains_as_one_proc
 
 
 def test_mla_without_query_compression_trains_as_one_process():
-    trains_as_one_process(MLA_PLAIN_QUERY, ["tp=2,mbs=8", "tp=2,sp=1,recompute=selective,mbs=8", "cp=2,zero=1,mbs=4"])
+    trains_as_one_process(MLA_PLAIN_QUERY, ["tp=2,mbs=8", "tp=2,sp=1,recompute=selective,mbs=8", "cp=2,zero=1,mbs=4",
+                                            "tp=2,sp=1,recompute=op,mbs=8"])
