@@ -153,6 +153,8 @@ def block_saved_tensors(model: ModelConfig, moe: bool, compute: int, expert_para
 
 def windowed_fraction(model: ModelConfig) -> float:
     """The share of layers whose attention takes a band mask (a window shorter than the sequence)."""
+    if model.sliding_window is None:  # most models: no loop over the layers on every estimate
+        return 0.0
     masked = sum(1 for layer in range(model.num_layers)
                  if (w := model.window(layer)) is not None and w < model.seq_len)
     return masked / model.num_layers
@@ -782,11 +784,11 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         rope_layers = 0
     rope = rope_layers * model.seq_len / layout.cp * model_size.rope_head_dim(model) * 4
     # A sliding window's band mask: SDPA keeps it, [seq, seq] in the compute dtype, per
-    # windowed layer and micro-batch (runtime/model.py). Context parallel's ring masks
+    # windowed layer and micro-batch (runtime/layers.py). Context parallel's ring masks
     # only chunk pairs, as temporaries.
-    rope += rope_layers * windowed_fraction(model) * model.seq_len ** 2 * c if layout.cp == 1 else 0.0
+    band_masks = rope_layers * windowed_fraction(model) * model.seq_len ** 2 * c if layout.cp == 1 else 0.0
     moe_fixed = shape.moe_layers * moe_layer_bytes(model, layout) if shape.moe_layers else 0.0
-    per_chunk = (tokens * kept + rope + moe_fixed) / stage_chunks(layout)
+    per_chunk = (tokens * kept + rope + band_masks + moe_fixed) / stage_chunks(layout)
     recomputed = tokens * (per_token("none") - kept) / shape.layers if recomputed_layers else 0.0
     incoming = tokens * h / (tp if sp else 1) * c
     if shape.moe_layers == shape.layers:

@@ -20,10 +20,9 @@ from autotune.errors import UsageError
 
 def model_refusal(model: ModelConfig) -> str | None:
     """Why the runtime cannot train this model under any layout, or None."""
-    if model.attention == "mla" and model.mla.v_head_dim > model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim:
+    if model.attention == "mla" and model.mla.v_head_dim > model.head_dim:  # head_dim: nope + rope under MLA
         return (f"{model.name}: mla.v_head_dim ({model.mla.v_head_dim}) wider than the query head "
-                f"({model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim}) is priced by the estimator but not "
-                f"trained by the runtime yet")
+                f"({model.head_dim}) is priced by the estimator but not trained by the runtime yet")
     if model.bias != "none":
         return f"{model.name}: bias: {model.bias} is priced by the estimator but not trained by the runtime yet"
     if model.norm != "rmsnorm":

@@ -44,7 +44,7 @@ so every rank computes the same number of query-key pairs at every step (2c^2 fo
 chunks of c tokens, c(2c+1) at step 0). Without a causal mask every block is whole.
 
 Sliding windows (query i sees keys i-W < j <= i: Mistral, Gemma 2/3, GPT-OSS) cut the
-ring's work by chunk pairs instead (`window_pairs`): of the 2 x 2 pairs of query and key
+ring's work by chunk pairs instead (`ring_pairs`): of the 2 x 2 pairs of query and key
 chunks at a step, a pair wholly outside the window is skipped (never computed, never
 masked), one wholly inside runs unmasked, and only a pair the window's edge crosses
 takes a mask. A window of W tokens therefore costs about W/seq of full causal
@@ -98,7 +98,8 @@ def _probabilities(q, k, lse, causal, scale, mask=None):
         scores = scores.masked_fill(~mask, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse[..., None]).nan_to_num(0.0), lse
+    p = torch.exp(scores - lse[..., None])
+    return (p.nan_to_num(0.0) if mask is not None else p), lse
 
 
 def attention_reference(q, k, v, causal: bool, scale: float | None = None, mask: torch.Tensor | None = None):

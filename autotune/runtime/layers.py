@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
+from autotune_kernels.attention import window_mask
 from autotune_kernels.norm import rms_norm
 
 
@@ -67,10 +68,9 @@ class CoreAttention(nn.Module):
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        mask = None
-        if self.window is not None and self.window < q.shape[1]:
-            seq = q.shape[1]
-            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril().triu_(1 - self.window)
+        seq = q.shape[1]
+        mask = window_mask(seq, seq, 0, self.window, q.device) if self.window is not None and self.window < seq \
+            else None
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             enable_gqa=k.shape[2] != q.shape[2])

@@ -47,7 +47,6 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
         m = cfg.mla
-        self.heads = cfg.num_heads
         self.nope, self.rope, self.value = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.latent = m.kv_lora_rank
         qk = self.nope + self.rope
