@@ -4,6 +4,7 @@ import pytest
 
 from autotune.config import load_model, model_from_dict
 from autotune.errors import UsageError
+from autotune.estimate import reasonable_space
 from autotune.layout import Layout, enumerate_layouts, parse_layout, resolve
 
 TINY = load_model("tiny")  # 8 heads, 4 kv heads, ffn 128, vocab 256, 8 layers, seq 64, batch 16
@@ -167,3 +168,54 @@ def test_zero3_folds_into_zero2_under_pp():
     assert resolve("pp=2,zero=3", TINY, 4).canonical().zero == 2
     assert resolve("zero=3", TINY, 4).canonical().zero == 3
     assert len(enumerate_layouts(TINY, 4, {"pp": [2], "zero": [2, 3]})) == 1
+
+
+def _every_combination_resolved(model, gpus, space, gpus_per_node=None):
+    """The enumeration by its definition: resolve every combination of the space, keep the
+    valid ones' canonical layouts, each once where it first comes (the oracle of the pruned
+    enumeration)."""
+    import itertools
+
+    from autotune.layout import INT_KEYS, STR_KEYS, check
+    keys = [k for k in INT_KEYS + STR_KEYS if k in space and k != "dp"]
+    seen = {}
+    for values in itertools.product(*(space[k] for k in keys)):
+        given = dict(zip(keys, values))
+        if given.get("dp_shard") == "dp":
+            del given["dp_shard"]
+        try:
+            layout = resolve(given, model, gpus, gpus_per_node).canonical()
+            check(layout, model, gpus, gpus_per_node)
+        except UsageError:
+            continue
+        seen.setdefault(layout)
+    return list(seen)
+
+
+ODD_SPACES = [
+    {"zero": [0, 3], "dp_shard": ["dp", 2, 1]},
+    {"pp": [1, 2], "schedule": ["zbv", "1f1b", "interleaved_1f1b"], "mbs": [1, 2]},  # vpp filled by the schedule
+    {"pp": [1, 2, 4], "schedule": ["dualpipev", "zbv", "gpipe", "zero_bubble"], "vpp": [1, 2, 4],
+     "recompute": ["op", "full"], "recompute_layers": [2, 0, 1]},
+    {"tp": [4, 1, 2], "sp": [1, 0], "cp": [2, 1], "zero": [3, 2, 0], "pp": [2, 1], "ep": [1, 2, 4],
+     "dp_shard": [1, "dp", 2], "mbs": [4, 1]},
+]
+
+
+@pytest.mark.parametrize("model, gpus, space, gpus_per_node", [
+    *((MOE, 8, space, None) for space in ODD_SPACES),
+    (TINY, 4, ODD_SPACES[3], 2),
+    (TINY, 8, ODD_SPACES[3], None),
+    *((MOE, 8, space, 8) for space in reasonable_space(MOE, 8, 8)),
+])
+def test_pruned_enumeration_equals_resolving_every_combination(model, gpus, space, gpus_per_node):
+    """Same layouts, same order, as resolving each combination: the rules applied as their
+    keys are chosen and the folded values skipped prune combinations, never layouts."""
+    expected = _every_combination_resolved(model, gpus, space, gpus_per_node)
+    assert enumerate_layouts(model, gpus, space, gpus_per_node) == expected
+    assert expected
+
+
+def test_enumeration_refuses_a_degree_below_one():
+    with pytest.raises(UsageError, match=r"^layout.tp: must be >= 1, got 0"):
+        enumerate_layouts(TINY, 4, {"tp": [1, 0]})
