@@ -164,7 +164,7 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     act_bytes = tokens * h * c
     # One layer's attention core, forward: a third of its FLOPs per token (model_size:
     # 6 heads (qk + v) keys, averaged over the layers, windows and MLA's head dims included).
-    core = tokens * model_size.attention_flops_per_token(model) / 3 / model.num_layers / tp / flops_per_s
+    core = tokens * model_figures(model).attention_flops_per_token / 3 / model.num_layers / tp / flops_per_s
     linear_rate = linear_flops_per_s or flops_per_s
 
     def op_rerun(moe: bool) -> float:
@@ -176,9 +176,14 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
         mlp = op_recomputed_params(model, moe) - h * k - q * h
         return 2 * tokens * (attention + (mlp / flops_per_s if moe else mlp / tp / linear_rate))
 
+    # Tensor parallel splits the attention's matmuls but MLA's down projections, which every
+    # tp rank computes whole (runtime/mla.py; the latent norms counted with them are a rounding).
+    whole = model_size.unsplit_attention_params(model)
+    attention_params = (fig.attention - whole) / tp + whole
+
     def layer(mlp_params: float, mode: str, moe: bool = False) -> tuple[float, float, float]:
         mlp_rate = flops_per_s if moe else linear_rate
-        matmul = 2 * tokens * (fig.attention / tp / linear_rate + mlp_params / mlp_rate)
+        matmul = 2 * tokens * (attention_params / linear_rate + mlp_params / mlp_rate)
         recompute = op_rerun(moe) if mode == "op" else {"none": 0.0, "selective": core, "full": matmul + core}[mode]
         return matmul + core, matmul + 2 * core + recompute, matmul
 

@@ -79,3 +79,27 @@ def test_deepseek_v3_prices_layouts_with_expert_parallel(layout):
     ds = load_model("deepseek-v3")
     e = estimate(ds, resolve(layout, ds, 256, 8), H100)
     assert e.peak_mem_bytes > 0 and e.tokens_per_s > 0 and e.memory["params"] > 0
+
+
+def test_tensor_parallel_time_keeps_mla_down_projections_whole():
+    """Every tp rank computes MLA's down projections whole, so tp=2 halves the weight
+    gradients' time but for them: 2 * t(tp=2) - t(tp=1) is their time, zero for GQA."""
+    from autotune.estimate_memory import pipeline_shapes
+    from autotune.estimate_time import Links, microbatch_works
+    from autotune.mesh_layout import ParallelDims
+    from autotune.model_size import unsplit_attention_params
+
+    rate = 1e15
+
+    def weight_time(model, tp):
+        layout = resolve(f"tp={tp},mbs=1", model, tp, 8)
+        groups = ParallelDims.from_layout(layout).groups()
+        works = microbatch_works(model, layout, Links(H100, 0.75, 2e-5), rate, 2,
+                                 list(pipeline_shapes(model, layout)), groups)
+        return works[0].backward_weight
+
+    ds = with_(load_model("deepseek-v3"), moe=None, num_layers=2)
+    tokens, whole = ds.seq_len, unsplit_attention_params(ds)
+    assert 2 * weight_time(ds, 2) - weight_time(ds, 1) == pytest.approx(ds.num_layers * 2 * tokens * whole / rate)
+    gqa = with_(LLAMA_8B, num_layers=2)
+    assert 2 * weight_time(gqa, 2) == pytest.approx(weight_time(gqa, 1))
