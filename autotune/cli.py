@@ -384,7 +384,7 @@ def add_estimate_parser(sub) -> None:
 
 
 def cmd_estimate(args) -> int:
-    from autotune.estimate import budget_bytes, estimate, every_layout, rank_estimates
+    from autotune.estimate import budget_bytes, estimate, every_layout, price_layouts, rank_estimates
 
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
@@ -407,14 +407,15 @@ def cmd_estimate(args) -> int:
     if not layouts:
         raise UsageError(f"gpus: no valid layout of {model.name} on {args.gpus} GPUs "
                          f"({hardware.scale_up_gpus} per scale-up domain)")
-    ranked = rank_estimates([estimate(model, layout, hardware, budget, device=device, dtype=args.dtype,
-                          grad_dtype=args.grad_dtype)
-                             for layout in layouts])
+    priced, state_over_budget = price_layouts(model, layouts, hardware, budget, device=device, dtype=args.dtype,
+                                              grad_dtype=args.grad_dtype)
+    ranked = rank_estimates(priced)
     if args.json:
         print(json.dumps({"model": model.name, "gpus": args.gpus, "hardware": hardware.name, "device": device,
-                          "memory_budget_bytes": budget, "layouts": [e.to_dict() for e in ranked]}, indent=2))
+                          "memory_budget_bytes": budget, "valid_layouts": len(layouts),
+                          "state_over_budget": state_over_budget, "layouts": [e.to_dict() for e in ranked]}, indent=2))
     else:
-        print_estimates(ranked, model.name, args.gpus, hardware.name, args.top)
+        print_estimates(ranked, model.name, args.gpus, hardware.name, args.top, state_over_budget, budget)
     return 0
 
 
@@ -455,12 +456,14 @@ def print_estimate(e, model_name: str, hardware_name: str) -> None:
     console.print(time)
 
 
-def print_estimates(ranked: list, model_name: str, gpus: int, hardware_name: str, top: int) -> None:
+def print_estimates(ranked: list, model_name: str, gpus: int, hardware_name: str, top: int,
+                    state_over_budget: int = 0, budget: float | None = None) -> None:
     console = Console()
-    oom = sum(not e.fits for e in ranked)
-    budget = ranked[0].memory_budget_bytes
-    table = Table(title=f"{len(ranked)} valid layouts of {model_name} on {gpus} x {hardware_name}, "
-                        f"{oom} predicted OOM ({'no budget' if budget is None else human_bytes(budget)}); "
+    oom = sum(not e.fits for e in ranked) + state_over_budget
+    unpriced = f", {state_over_budget:,} of them by their state alone (not priced further)" if state_over_budget else ""
+    table = Table(title=f"{len(ranked) + state_over_budget:,} valid layouts of {model_name} on {gpus} x "
+                        f"{hardware_name}, {oom:,} predicted OOM "
+                        f"({'no budget' if budget is None else human_bytes(budget)}{unpriced}); "
                         f"the {min(top, len(ranked))} best by predicted tokens/s, fitting ones first")
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("layout", overflow="fold")

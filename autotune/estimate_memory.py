@@ -339,6 +339,7 @@ class ModelFigures:
     moe_active: float  # MoE parameters one token passes through (router, top-k, shared)
     moe_before: tuple[int, ...]  # moe_before[i]: MoE layers among layers 0..i-1
     flops_per_token: float
+    attention_flops_per_token: float  # the cores' (model_size.attention_flops_per_token): a walk over the layers
     saved: dict  # memo of layer_bytes: (moe, compute bytes, ep?, tp, sp, mode) -> bytes per token
     shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape,
     # and of pipeline_shapes
@@ -363,7 +364,8 @@ def model_figures(model: ModelConfig) -> ModelFigures:
         moe_dense=router + moe.num_shared_experts * model.expert_params() if moe else 0,
         moe_routed=moe.num_experts * model.expert_params() if moe else 0,
         moe_active=router + (moe.top_k + moe.num_shared_experts) * model.expert_params() if moe else 0,
-        moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(), saved={}, shapes={}, peaks={})
+        moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
+        attention_flops_per_token=model_size.attention_flops_per_token(model), saved={}, shapes={}, peaks={})
     if len(_FIGURES) > 64:
         _FIGURES.clear()
     _FIGURES[id(model)] = (model, figures)
@@ -604,6 +606,16 @@ def state_of(layout: Layout, prec: Precision, shape: RankShape) -> State:
     updated = sharded_elements if layout.zero == 1 else total
     master = prec.master * updated if prec.compute != prec.master else 0.0
     return State(prec.compute * total, master, prec.grad * total, prec.optimizer * updated, False, total)
+
+
+def state_floor(model: ModelConfig, layout: Layout, device: str) -> float:
+    """Bytes the heaviest pipeline rank's state alone takes (parameters, masters, gradients,
+    optimizer state): no peak of the layout is below it, since the optimizer step holds all
+    of it (rank_terms). `model` as trained (config.as_trained). A listing of every layout
+    skips pricing those whose floor is over the budget: they cannot fit, whatever their
+    activations."""
+    prec = precision(model, device)
+    return max(sum(state_of(layout, prec, shape)[:4]) for shape in pipeline_shapes(model, layout))
 
 
 def gathered_params(layout: Layout, prec: Precision, shape: RankShape) -> dict[str, float]:

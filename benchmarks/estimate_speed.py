@@ -5,8 +5,10 @@
 
 Prints one JSON line: the layout count, the best of R timings of estimating them all
 (wall and CPU seconds; each starts with the estimator's memo of the model cleared),
-the time to enumerate them (layout.py's work, reported apart), and the machine's load
-average, since a busy machine slows both.
+the time to enumerate them (layout.py's work, reported apart), the time of what
+`autotune estimate` without --layout does (enumerate, then price_layouts: a full
+estimate only where the state fits the budget), and the machine's load average, since
+a busy machine slows all of them. `--model deepseek-v3 --gpus 256` is the MoE case.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 from autotune import estimate_memory
 from autotune.config import load_hardware, load_model
-from autotune.estimate import budget_bytes, estimate, every_layout
+from autotune.estimate import budget_bytes, estimate, every_layout, price_layouts
 
 
 def main() -> None:
@@ -44,11 +46,18 @@ def main() -> None:
         estimates = [estimate(model, layout, hardware, budget) for layout in layouts]
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
+    estimate_memory._FIGURES.clear()
+    start = time.perf_counter()
+    priced, state_over_budget = price_layouts(model, every_layout(model, args.gpus, hardware.scale_up_gpus),
+                                              hardware, budget)
+    listing_s = time.perf_counter() - start
     print(json.dumps({
         "model": model.name, "gpus": args.gpus, "hardware": hardware.name, "layouts": len(layouts),
         "predicted_oom": sum(not e.fits for e in estimates),
         "estimate_wall_s": round(min(walls), 3), "estimate_cpu_s": round(min(cpus), 3),
         "us_per_layout": round(min(walls) / len(layouts) * 1e6, 1), "enumerate_wall_s": round(enumerate_s, 3),
+        "listing_wall_s": round(listing_s, 3), "listing_priced": len(priced), "listing_state_over_budget":
+        state_over_budget,
         "target_s": 2.0, "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
         "load_average_1min": round(os.getloadavg()[0], 2),
     }))

@@ -523,7 +523,8 @@ def test_cli_every_layout_json_and_table(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["memory_budget_bytes"] == pytest.approx(0.001 * GIB)
     rows = out["layouts"]
-    assert len(rows) == len(every_layout(TINY, 4, 1024)) and len({r["layout"] for r in rows}) == len(rows)
+    assert len({r["layout"] for r in rows}) == len(rows)
+    assert len(rows) + out["state_over_budget"] == out["valid_layouts"] == len(every_layout(TINY, 4, 1024))
     assert [r["fits"] for r in rows] == sorted((r["fits"] for r in rows), reverse=True)
     assert main(["estimate", "--model", "tiny", "--gpus", "4", "--top", "3"]) == 0
     table = capsys.readouterr().out
@@ -608,3 +609,21 @@ def test_a_device_without_the_precision_refuses():
         estimate(TINY, layout, H100, device="cuda", dtype="mxfp8")
     # The CPU preset has no table: it prices memory, and time once --peak-tflops is given.
     assert estimate(TINY, layout, load_hardware("cpu"), device="cpu", dtype="fp8").peak_mem_bytes > 0
+
+
+def test_state_floor_is_below_every_peak_and_skips_only_layouts_that_do_not_fit():
+    """price_layouts leaves unpriced only layouts whose state alone is over the budget; the
+    floor is a true lower bound of the estimated peak on every layout."""
+    from autotune.estimate import _trained, price_layouts
+    from autotune.estimate_memory import state_floor
+    moe = load_model("tiny-moe")
+    layouts = every_layout(moe, 8, 8)
+    estimates = [estimate(moe, layout, H100) for layout in layouts]
+    trained = _trained(moe, "cuda", None, None)
+    floors = [state_floor(trained, layout, "cuda") for layout in layouts]
+    assert all(f <= e.peak_mem_bytes for f, e in zip(floors, estimates))
+    budget = sorted(floors)[len(floors) // 2]  # half the layouts' state is over it
+    priced, skipped = price_layouts(moe, layouts, H100, budget)
+    assert skipped == sum(f > budget for f in floors) > 0
+    assert {e.layout for e in priced} == {l for l, f in zip(layouts, floors) if f <= budget}
+    assert price_layouts(moe, layouts, H100, None)[1] == 0
