@@ -32,7 +32,7 @@ from autotune.estimate_memory import (
     stage_chunks,
 )
 from autotune.layout import Layout
-from autotune.mesh_layout import Group, ParallelDims
+from autotune.mesh_layout import Group, ParallelDims, mesh_groups
 from autotune.schedules import SCHEDULES
 
 # -- links ------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: flo
     `linear_flops_per_s`: the blocks' linear layers' rate where it differs (fp8, mxfp8)."""
     prec = precision(model, device)
     m, v = layout.grad_accum(model), stage_chunks(layout)
-    groups = ParallelDims.from_layout(layout).groups()
+    groups = mesh_groups(ParallelDims.from_layout(layout))
     # The slowest rank's micro-batch does not depend on data parallel: layouts that differ
     # only in dp, dp_shard or zero share it.
     memo = model_figures(model).peaks

@@ -364,9 +364,10 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(Layout)} | {"dp_shard"
 
 def _unchecked_layout(fields: dict) -> Layout:
     """Layout(**fields) without the dataclass's __init__ (a frozen one sets each field through
-    object.__setattr__): the enumeration builds a million of them, and its rules check them."""
+    object.__setattr__): the enumeration builds a million of them, and its rules check them.
+    `fields`: every key of KEYS and nothing else."""
     layout = object.__new__(Layout)
-    layout.__dict__.update({name: fields[name] for name in KEYS})
+    layout.__dict__.update(fields)
     return layout
 
 

@@ -30,6 +30,7 @@ inside its innermost one.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -151,3 +152,10 @@ class ParallelDims:
     def state_shards(self) -> int:
         """Ranks over which sharded state (zero >= 1) is cut: dp_shard x cp."""
         return self.dp_shard * self.cp
+
+
+@functools.lru_cache(maxsize=4096)
+def mesh_groups(dims: ParallelDims) -> dict[str, Group]:
+    """ParallelDims.groups, kept per set of degrees: the estimator asks for it for every
+    layout it prices, and many layouts share their degrees. Read it, do not change it."""
+    return dims.groups()
