@@ -419,7 +419,7 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
             return known("schedule", keys)
         return field in keys or field not in values
 
-    due, pending, keys = [], list(RULES), set()  # due[d]: the rules to apply once chosen[:d] are chosen
+    due, pending = [], list(RULES)  # due[d]: the rules to apply once chosen[:d] are chosen
     for depth in range(len(chosen) + 1):
         keys = set(chosen[:depth])
         due.append([r for r in pending if all(known(f, keys) for f in r.keys)])
@@ -477,7 +477,7 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
                         continue
                     taken.add(canonical)
             choose(depth + 1, given, place + index * weight[key])
-        del given[key]
+        given.pop(key, None)  # absent where the key has no values
 
     if not broken(layout_of({}), due[0]):
         choose(0, {}, 0)
