@@ -9,6 +9,7 @@ who typed `hidden_size: -4` wants to know which line to fix, not a traceback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -74,6 +75,27 @@ def parse_grad_dtype(value, dtype: str, field: str = "grad_dtype") -> str:
         raise UsageError(f"{field}: with dtype {dtype} must be {' or '.join(allowed)}, got {value!r}")
     return name
 
+
+
+def per_model_object(fn):
+    """Memoise fn(model, *args) by the model object (a ModelConfig holds lists, so it has no
+    hash): the estimator asks for per-model figures for every layout it prices. The entry
+    keeps its model alive, so an id is never reused while it is cached; 64 entries at most.
+    `fn.cache_clear()` empties it (benchmarks time cold runs)."""
+    cache: dict[tuple, tuple] = {}
+
+    @functools.wraps(fn)
+    def memoised(model, *args):
+        key = (id(model), *args)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not model:
+            if len(cache) > 64:
+                cache.clear()
+            hit = cache[key] = (model, fn(model, *args))
+        return hit[1]
+
+    memoised.cache_clear = cache.clear
+    return memoised
 
 @dataclass(frozen=True)
 class MoEConfig:

@@ -19,7 +19,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from autotune.config import GIB, HardwareConfig, ModelConfig, as_trained
+from autotune.config import GIB, HardwareConfig, ModelConfig, as_trained, per_model_object
 from autotune.errors import UsageError
 from autotune.estimate_memory import DEVICES, TERMS, model_figures, pipeline_shapes, rank_terms, state_floor
 from autotune.estimate_time import Links, step_time
@@ -178,20 +178,12 @@ def precision_tflops(hardware: HardwareConfig, dtype: str) -> tuple[float, float
     return base, linear
 
 
-_TRAINED: dict[tuple, tuple[ModelConfig, ModelConfig]] = {}
-
-
+@per_model_object
 def _trained(model: ModelConfig, device: str, dtype: str | None, grad_dtype: str | None) -> ModelConfig:
     """as_trained, one object per (model, device, dtype, grad_dtype): the estimator memoises
     its per-model figures by the model object (estimate_memory.model_figures)."""
-    key = (id(model), device, dtype, grad_dtype)
-    cached = _TRAINED.get(key)
-    if cached is None or cached[0] is not model:
-        if len(_TRAINED) > 64:
-            _TRAINED.clear()
-        trained = as_trained(model, device, dtype, grad_dtype)
-        cached = _TRAINED[key] = (model, model if trained == model else trained)
-    return cached[1]
+    trained = as_trained(model, device, dtype, grad_dtype)
+    return model if trained == model else trained
 
 
 @functools.lru_cache(maxsize=1024)
@@ -302,17 +294,11 @@ def price_layouts(model: ModelConfig, layouts: list[Layout], hardware: HardwareC
     layouts of a cluster are such (deepseek-v3 on 256 H100s: 246,432 of 272,494), and
     their floor costs a few microseconds against a full estimate's tens."""
     trained = _trained(model, device, dtype, grad_dtype)
-    priced, floors, skipped = [], {}, 0
+    priced, skipped = [], 0
     for layout in layouts:
-        if memory_budget_bytes is not None:
-            key = (layout.tp, layout.pp, layout.vpp, layout.schedule, layout.cp, layout.ep, layout.dp_shard,
-                   layout.zero)
-            floor = floors.get(key)
-            if floor is None:
-                floor = floors[key] = state_floor(trained, layout, device)
-            if floor > memory_budget_bytes:
-                skipped += 1
-                continue
+        if memory_budget_bytes is not None and state_floor(trained, layout, device) > memory_budget_bytes:
+            skipped += 1
+            continue
         priced.append(estimate(model, layout, hardware, memory_budget_bytes, device=device, dtype=dtype,
                                grad_dtype=grad_dtype))
     return priced, skipped

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from autotune import model_size
-from autotune.config import ModelConfig
+from autotune.config import ModelConfig, per_model_object
 from autotune.errors import UsageError
 from autotune.layout import Layout
 from autotune.schedules import SCHEDULES
@@ -347,13 +347,8 @@ class ModelFigures:
     # which layouts differing only in data parallel share
 
 
-_FIGURES: dict[int, tuple[ModelConfig, ModelFigures]] = {}
-
-
+@per_model_object
 def model_figures(model: ModelConfig) -> ModelFigures:
-    cached = _FIGURES.get(id(model))
-    if cached and cached[0] is model:
-        return cached[1]
     moe_before = [0]
     for layer in range(model.num_layers):
         moe_before.append(moe_before[-1] + model.is_moe_layer(layer))
@@ -366,9 +361,6 @@ def model_figures(model: ModelConfig) -> ModelFigures:
         moe_active=router + (moe.top_k + moe.num_shared_experts) * model.expert_params() if moe else 0,
         moe_before=tuple(moe_before), flops_per_token=model.flops_per_token(),
         attention_flops_per_token=model_size.attention_flops_per_token(model), saved={}, shapes={}, peaks={})
-    if len(_FIGURES) > 64:
-        _FIGURES.clear()
-    _FIGURES[id(model)] = (model, figures)
     return figures
 
 
@@ -614,8 +606,14 @@ def state_floor(model: ModelConfig, layout: Layout, device: str) -> float:
     of it (rank_terms). `model` as trained (config.as_trained). A listing of every layout
     skips pricing those whose floor is over the budget: they cannot fit, whatever their
     activations."""
-    prec = precision(model, device)
-    return max(sum(state_of(layout, prec, shape)[:4]) for shape in pipeline_shapes(model, layout))
+    memo = model_figures(model).peaks
+    key = ("floor", device, layout.tp, layout.pp, layout.vpp, layout.schedule, layout.cp, layout.ep,
+           layout.dp_shard, layout.zero)  # what pipeline_shapes' parameters and state_of read
+    floor = memo.get(key)
+    if floor is None:
+        prec = precision(model, device)
+        floor = memo[key] = max(sum(state_of(layout, prec, shape)[:4]) for shape in pipeline_shapes(model, layout))
+    return floor
 
 
 def gathered_params(layout: Layout, prec: Precision, shape: RankShape) -> dict[str, float]:

@@ -27,6 +27,7 @@ from autotune.schedules import DEFAULT_SCHEDULE, SCHEDULES
 RECOMPUTE = ("none", "selective", "op", "full")
 ZERO = (0, 1, 2, 3)
 INT_KEYS = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "vpp", "sp", "recompute_layers")
+LEAST = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "dp_shard": 1, "mbs": 1, "vpp": 1, "recompute_layers": 0}
 STR_KEYS = ("schedule", "recompute")
 
 
@@ -147,11 +148,9 @@ def resolve(given: dict | str, model: ModelConfig, gpus: int, gpus_per_node: int
             raise UsageError(f"layout.{key}: must be an integer, got {value!r}")
         if key in STR_KEYS and not isinstance(value, str):
             raise UsageError(f"layout.{key}: must be a string, got {value!r}")
-    for key in ("tp", "pp", "cp", "ep", "dp", "dp_shard", "mbs", "vpp"):
-        if key in given and given[key] < 1:
-            raise UsageError(f"layout.{key}: must be >= 1, got {given[key]}")
-    if given.get("recompute_layers", 0) < 0:
-        raise UsageError(f"layout.recompute_layers: must be >= 0, got {given['recompute_layers']}")
+    for key, least in LEAST.items():
+        if key in given and given[key] < least:
+            raise UsageError(f"layout.{key}: must be >= {least}, got {given[key]}")
     if gpus < 1:
         raise UsageError(f"gpus: must be >= 1, got {gpus}")
     tp, pp, cp = given.get("tp", 1), given.get("pp", 1), given.get("cp", 1)
@@ -162,8 +161,8 @@ def resolve(given: dict | str, model: ModelConfig, gpus: int, gpus_per_node: int
         given["dp"] = gpus // model_parallel
     given.setdefault("dp_shard", given["dp"])
     schedule = SCHEDULES.get(given.get("schedule", DEFAULT_SCHEDULE))
-    if "vpp" not in given and schedule is not None and schedule.placement == "v":
-        given["vpp"] = 2  # a V schedule runs two stages per rank: nothing else to choose
+    if "vpp" not in given and schedule is not None:
+        given["vpp"] = schedule.default_vpp  # a V schedule runs two stages per rank: nothing else to choose
     layout = Layout(**given)
     check(layout, model, gpus, gpus_per_node)
     return layout
@@ -398,10 +397,9 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
     nesting = [k for k in INT_KEYS + STR_KEYS if k in space and k != "dp"]
     values = {k: list(space[k]) for k in nesting}
     for key, choices in values.items():
-        least = 0 if key == "recompute_layers" else 1
-        if key in ("tp", "pp", "cp", "ep", "dp_shard", "mbs", "vpp", "recompute_layers") and \
-                any(v != "dp" and v < least for v in choices):
-            raise UsageError(f"layout.{key}: must be >= {least}, got {min(v for v in choices if v != 'dp')}")
+        numbers = [v for v in choices if v != "dp"]  # dp_shard's "dp"
+        if key in LEAST and min(numbers, default=LEAST[key]) < LEAST[key]:
+            raise UsageError(f"layout.{key}: must be >= {LEAST[key]}, got {min(numbers)}")
     weight, size = {}, 1  # a combination's place in the nesting: the sum of index * weight over keys
     for key in reversed(nesting):
         weight[key] = size

@@ -29,25 +29,19 @@ from __future__ import annotations
 import functools
 import math
 
-from autotune.config import ModelConfig
+from autotune.config import ModelConfig, per_model_object
 from autotune.layout import Layout
 from autotune.schedules import SCHEDULES
 
-_END_WEIGHTS: dict[int, tuple[ModelConfig, float]] = {}
 
-
+@per_model_object
 def end_weight(model: ModelConfig) -> float:
     """Layers the embedding and the head each weigh when stages are balanced. Kept per
     model object: the FLOPs walk every layer, and the estimator splits stages for each
     layout it prices."""
-    cached = _END_WEIGHTS.get(id(model))
-    if cached is None or cached[0] is not model:
-        if len(_END_WEIGHTS) > 64:
-            _END_WEIGHTS.clear()
-        head = 6 * model.embedding_params()
-        mean_layer = (model.flops_per_token() - head) / model.num_layers
-        cached = _END_WEIGHTS[id(model)] = (model, head / mean_layer)
-    return cached[1]
+    head = 6 * model.embedding_params()
+    mean_layer = (model.flops_per_token() - head) / model.num_layers
+    return head / mean_layer
 
 
 def stage_count(layout: Layout) -> int:

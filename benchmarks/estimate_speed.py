@@ -41,12 +41,12 @@ def main() -> None:
     walls, cpus = [], []
     for _ in range(args.repeat):
         # Each timing starts cold: the estimator memoises per model what layouts share.
-        estimate_memory._FIGURES.clear()
+        estimate_memory.model_figures.cache_clear()
         wall, cpu = time.perf_counter(), time.process_time()
         estimates = [estimate(model, layout, hardware, budget) for layout in layouts]
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    estimate_memory._FIGURES.clear()
+    estimate_memory.model_figures.cache_clear()
     start = time.perf_counter()
     priced, state_over_budget = price_layouts(model, every_layout(model, args.gpus, hardware.scale_up_gpus),
                                               hardware, budget)
