@@ -370,10 +370,17 @@ def _unchecked_layout(fields: dict) -> Layout:
     return layout
 
 
-# The order keys are chosen in while enumerating: the degrees first (most rules read them),
-# then what each later rule adds. Only the pruning depends on it, not the result.
-_CHOICE_ORDER = ("tp", "pp", "cp", "ep", "dp_shard", "zero", "sp", "recompute", "recompute_layers", "mbs", "vpp",
-                 "schedule")
+# The keys a layout's state depends on (what each rank holds of the parameters, gradients
+# and optimizer state): the degrees and the sharding. estimate_memory.state_floor reads only
+# these, so a listing can drop every layout below a combination of them whose state alone is
+# over the budget without building one (enumerate_layouts' `skip`).
+STATE_KEYS = ("tp", "pp", "cp", "ep", "dp_shard", "zero", "vpp", "schedule")
+
+# The order keys are chosen in while enumerating: the state keys first (the degrees first among
+# them: most rules read them), then what each later rule adds. Only the pruning depends on it,
+# not the result.
+_CHOICE_ORDER = STATE_KEYS + ("sp", "recompute", "recompute_layers", "mbs")
+assert set(_CHOICE_ORDER) == set(KEYS) - {"dp"}
 
 
 def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node: int | None = None
@@ -386,11 +393,25 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
     schedule, as `resolve` fills it. Order follows the space's value order, outermost key
     first (INT_KEYS then STR_KEYS), so it is stable across runs: a layout stands where the
     first combination that gives it stands.
+    """
+    return enumerate_layouts_skipping(model, gpus, space, gpus_per_node)[0]
+
+
+def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_per_node: int | None = None,
+                               skip: Callable[[Layout], bool] | None = None) -> tuple[list[Layout], int]:
+    """(enumerate_layouts' layouts but those `skip` is true for, how many valid layouts it
+    was true for). `skip` reads only STATE_KEYS (the rest of the layout it is given is at
+    the defaults) and is asked once per canonical combination of them, so the layouts it
+    drops are counted, never built.
 
     Keys are chosen one at a time (_CHOICE_ORDER) and each rule is applied as soon as the
     keys it reads are known, so a broken rule prunes every combination below it:
     deepseek-v3 on 256 GPUs has 4.4 million combinations in estimate.reasonable_space and
-    272,494 valid layouts.
+    272,494 valid layouts. It goes in two stages: every valid canonical combination of the
+    state keys (a prefix), then the other keys below each prefix not skipped. Combinations
+    of the state keys with the same canonical values have the same layouts below them
+    (folding changes nothing, Layout.folded), so each canonical prefix is expanded once, at
+    its first place in the nesting.
     """
     if gpus < 1:
         raise UsageError(f"gpus: must be >= 1, got {gpus}")
@@ -405,6 +426,7 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
         weight[key] = size
         size *= len(values[key])
     chosen = [k for k in _CHOICE_ORDER if k in values]
+    split = sum(k in STATE_KEYS for k in chosen)  # chosen[:split]: the state keys of the space
 
     def known(field: str, keys: set) -> bool:
         """Whether a field is fixed once `keys` are chosen: chosen, absent from the space
@@ -434,6 +456,11 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
             fields["vpp"] = schedule.default_vpp if schedule is not None else 1
         return _unchecked_layout(fields)
 
+    def canonical_of(given: dict) -> Layout:
+        layout = layout_of(given)
+        folded = layout.folded()
+        return _unchecked_layout(layout.__dict__ | folded) if folded else layout
+
     def broken(layout: Layout, rules: list[Rule]) -> bool:
         return any(r.problem(layout, model, gpus, gpus_per_node) for r in rules)
 
@@ -452,15 +479,11 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
     read_later = [set().union(*(reads(r) for rules in due[depth + 2:] for r in rules)) for depth in range(len(chosen))]
     collapsible = [key in ("schedule", "vpp", "zero", "dp_shard", "sp", "recompute_layers") and key not in read_later[d]
                    for d, key in enumerate(chosen)]
-    place_of: dict[Layout, int] = {}
 
-    def choose(depth: int, given: dict, place: int) -> None:
-        if depth == len(chosen):
-            layout = layout_of(given)
-            if folded := layout.folded():
-                layout = _unchecked_layout(layout.__dict__ | folded)
-            if place < place_of.get(layout, size):
-                place_of[layout] = place
+    def choose(depth: int, stop: int, given: dict, place: int, reached: Callable[[dict, int], None]) -> None:
+        """Every valid choice of chosen[depth:stop] below `given`; `reached` gets each."""
+        if depth == stop:
+            reached(given, place)
             return
         key, rules, taken = chosen[depth], due[depth + 1], set()
         for index, value in enumerate(values[key]):
@@ -474,9 +497,45 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
                     if canonical in taken:
                         continue
                     taken.add(canonical)
-            choose(depth + 1, given, place + index * weight[key])
+            choose(depth + 1, stop, given, place + index * weight[key], reached)
         given.pop(key, None)  # absent where the key has no values
 
+    prefixes: dict[tuple, tuple[int, dict]] = {}  # canonical state values -> (least place, a combination)
+
+    def add_prefix(given: dict, place: int) -> None:
+        canonical = canonical_of(given)
+        state = tuple(getattr(canonical, k) for k in STATE_KEYS)
+        if place < prefixes.get(state, (size,))[0]:
+            prefixes[state] = (place, dict(given))
+
+    place_of: dict[Layout, int] = {}
+
+    def add_layout(given: dict, place: int) -> None:
+        layout = canonical_of(given)
+        if place < place_of.get(layout, size):
+            place_of[layout] = place
+
+    # How many layouts lie below a skipped prefix depends only on the state keys that the
+    # later rules and the folding read (the degrees, for dp and sp): one count per signature.
+    signature_keys = sorted(set().union({"tp", "pp", "cp"}, *(reads(r) for rules in due[split + 1:] for r in rules))
+                            & set(chosen[:split]))
+    counts: dict[tuple, int] = {}
+
+    def count_below(given: dict) -> int:
+        signature = tuple(given[k] for k in signature_keys)
+        if signature not in counts:
+            suffixes = set()
+            choose(split, len(chosen), dict(given), 0, lambda combination, _: suffixes.add(
+                tuple(getattr(canonical_of(combination), k) for k in chosen[split:])))
+            counts[signature] = len(suffixes)
+        return counts[signature]
+
+    skipped = 0
     if not broken(layout_of({}), due[0]):
-        choose(0, {}, 0)
-    return sorted(place_of, key=place_of.__getitem__)
+        choose(0, split, {}, 0, add_prefix)
+    for place, given in prefixes.values():
+        if skip is not None and skip(canonical_of(given)):
+            skipped += count_below(given)
+        else:
+            choose(split, len(chosen), given, place, add_layout)
+    return sorted(place_of, key=place_of.__getitem__), skipped

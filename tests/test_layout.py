@@ -5,7 +5,7 @@ import pytest
 from autotune.config import load_model, model_from_dict
 from autotune.errors import UsageError
 from autotune.estimate import reasonable_space
-from autotune.layout import Layout, enumerate_layouts, parse_layout, resolve
+from autotune.layout import Layout, enumerate_layouts, enumerate_layouts_skipping, parse_layout, resolve
 
 TINY = load_model("tiny")  # 8 heads, 4 kv heads, ffn 128, vocab 256, 8 layers, seq 64, batch 16
 MOE = load_model("tiny-moe")  # 8 experts
@@ -210,10 +210,24 @@ ODD_SPACES = [
 ])
 def test_pruned_enumeration_equals_resolving_every_combination(model, gpus, space, gpus_per_node):
     """Same layouts, same order, as resolving each combination: the rules applied as their
-    keys are chosen and the folded values skipped prune combinations, never layouts."""
+    keys are chosen and the folded values skipped prune combinations, never layouts; and a
+    skip that reads the state keys drops exactly the layouts it is true for, counted."""
     expected = _every_combination_resolved(model, gpus, space, gpus_per_node)
     assert enumerate_layouts(model, gpus, space, gpus_per_node) == expected
     assert expected
+
+    from autotune.layout import STATE_KEYS
+
+    def state(layout):
+        return tuple(getattr(layout, k) for k in STATE_KEYS)
+    states = list(dict.fromkeys(map(state, expected)))
+
+    def skip(layout):
+        """Every other combination of the state keys, reading only them."""
+        return states.index(state(layout)) % 2 == 1 if state(layout) in states else False
+    kept = [layout for layout in expected if not skip(layout)]
+    assert 0 < len(kept) < len(expected) or len(states) == 1
+    assert enumerate_layouts_skipping(model, gpus, space, gpus_per_node, skip) == (kept, len(expected) - len(kept))
 
 
 def test_enumeration_refuses_a_degree_below_one():
