@@ -607,8 +607,10 @@ def state_floor(model: ModelConfig, layout: Layout, device: str) -> float:
     skips pricing those whose floor is over the budget: they cannot fit, whatever their
     activations."""
     memo = model_figures(model).peaks
+    # What pipeline_shapes' parameters and state_of read, all of them state keys (the
+    # enumeration asks the floor once per combination of those).
     key = ("floor", device, layout.tp, layout.pp, layout.vpp, layout.schedule, layout.cp, layout.ep,
-           layout.dp_shard, layout.zero)  # what pipeline_shapes' parameters and state_of read
+           layout.dp_shard, layout.zero)
     floor = memo.get(key)
     if floor is None:
         prec = precision(model, device)
@@ -745,29 +747,32 @@ def loss_bytes(model: ModelConfig, layout: Layout, prec: Precision) -> tuple[flo
     return logits, max((2 + upcast) * chunk, logits + (1 + upcast) * chunk)
 
 
-def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape, state: State,
-                    points: list[tuple[int, int]]) -> dict[str, tuple[float, ...]]:
-    """(grads, activations, pipeline buffers, logits, temporaries) of a pipeline rank at the
-    peaks of a backward pass, the heaviest over its peak points (chunks in flight,
-    postponed weight steps):
+class MicrobatchBytes(NamedTuple):
+    """What one micro-batch puts on a pipeline rank at its backward peaks
+    (_backward_peaks), independent of the schedule's counts and of the data-parallel state."""
 
-    loss_backward (the rank with the head): every activation saved, the final norm's
-      tensors, the logits, their gradient and the loss's fp32 chunks.
-    layer_backward: the loss's buffers freed (under FSDP without PP the head's whole
-      gradient kept: its unit, the root, reduces last), the last layer's SwiGLU backward holds the
-      incoming gradient, then the down projection's weight gradient (a moment, until the
-      gradient hook has added it into the buffer; FSDP keeps it, with the rest of the
-      block's, until the block's reduce-scatter) and the product's gradient (tokens x
-      ffn), then two tokens x ffn gradients more than the tensors it frees. Recompute
-      rebuilds that layer first.
-    Gradients: zero 0/1's buffer is always there; FSDP's shards only once a micro-batch has
-    been reduced in this step.
-    Under PP: micro-batches whose backward has not started keep, on the last stage, the
-    final norm's saved tensors and their logits (the schedule keeps each stage's output
-    until its backward). A stage but the last keeps its output for each micro-batch in
-    flight (_pipeline_extras). Chunks in flight spread evenly over the rank's stages, but
-    for the last stage of a V schedule, which holds one.
-    """
+    per_chunk: float  # saved activations of one (stage, micro-batch) chunk
+    recomputed: float  # what recomputing the last layer rebuilds before its backward
+    swiglu: float  # the last layer's MLP backward: the incoming gradient and what it makes
+    logits: float
+    loss_backward: float
+    lse: float
+    final_norm: float
+
+
+def microbatch_bytes(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape) -> MicrobatchBytes:
+    """MicrobatchBytes, memoised per shape and the keys it reads: a listing prices each
+    against many schedules, micro-batch counts and ZeRO stages."""
+    memo = model_figures(model).peaks
+    key = ("microbatch", id(shape), prec, layout.mbs, layout.cp, layout.tp, layout.sp, layout.ep, layout.recompute,
+           layout.recompute_layers, stage_chunks(layout))  # shapes are memoised: one object per shape
+    figures = memo.get(key)
+    if figures is None:
+        figures = memo[key] = _microbatch_bytes(model, layout, prec, shape)
+    return figures
+
+
+def _microbatch_bytes(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape) -> MicrobatchBytes:
     tokens = layout.mbs * model.seq_len / layout.cp  # local tokens of one micro-batch
     sp, tp, c, h = bool(layout.sp), layout.tp, prec.compute, model.hidden_size
     expert_parallel = layout.ep > 1
@@ -825,8 +830,35 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
     lse = 4 * tokens
     final_norm = tokens * SavedTotals.of(norm_saved_tensors(model, c, "final")).per_token(tp, sp) if shape.last \
         else 0.0
-    m, v = layout.grad_accum(model), stage_chunks(layout)
+    swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
+    return MicrobatchBytes(per_chunk, recomputed, swiglu, logits, loss_backward, lse, final_norm)
 
+
+def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape, state: State,
+                    points: list[tuple[int, int]]) -> dict[str, tuple[float, ...]]:
+    """(grads, activations, pipeline buffers, logits, temporaries) of a pipeline rank at the
+    peaks of a backward pass, the heaviest over its peak points (chunks in flight,
+    postponed weight steps):
+
+    loss_backward (the rank with the head): every activation saved, the final norm's
+      tensors, the logits, their gradient and the loss's fp32 chunks.
+    layer_backward: the loss's buffers freed (under FSDP without PP the head's whole
+      gradient kept: its unit, the root, reduces last), the last layer's SwiGLU backward holds the
+      incoming gradient, then the down projection's weight gradient (a moment, until the
+      gradient hook has added it into the buffer; FSDP keeps it, with the rest of the
+      block's, until the block's reduce-scatter) and the product's gradient (tokens x
+      ffn), then two tokens x ffn gradients more than the tensors it frees. Recompute
+      rebuilds that layer first.
+    Gradients: zero 0/1's buffer is always there; FSDP's shards only once a micro-batch has
+    been reduced in this step.
+    Under PP: micro-batches whose backward has not started keep, on the last stage, the
+    final norm's saved tensors and their logits (the schedule keeps each stage's output
+    until its backward). A stage but the last keeps its output for each micro-batch in
+    flight (_pipeline_extras). Chunks in flight spread evenly over the rank's stages, but
+    for the last stage of a V schedule, which holds one.
+    """
+    per_chunk, recomputed, swiglu, logits, loss_backward, lse, final_norm = microbatch_bytes(model, layout, prec, shape)
+    c, m, v = prec.compute, layout.grad_accum(model), stage_chunks(layout)
     peaks: dict[str, tuple[float, ...]] = {}
 
     def keep(phase: str, *terms: float) -> None:
@@ -839,7 +871,6 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         grads = state.grads if not state.sharded or accumulating else 0.0
         stored = chunks * per_chunk
         pipeline = extras(chunks, postponed)
-        swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
         if not shape.last:
             keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu)
         elif layout.pp == 1:
