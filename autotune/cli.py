@@ -384,7 +384,7 @@ def add_estimate_parser(sub) -> None:
 
 
 def cmd_estimate(args) -> int:
-    from autotune.estimate import budget_bytes, estimate, every_layout, price_layouts, rank_estimates
+    from autotune.estimate import budget_bytes, estimate, price_every_layout, rank_estimates
 
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
@@ -403,17 +403,16 @@ def cmd_estimate(args) -> int:
         else:
             print_estimate(result, model.name, hardware.name)
         return 0
-    layouts = every_layout(model, args.gpus, hardware.scale_up_gpus)
-    if not layouts:
+    priced, valid_layouts, state_over_budget = price_every_layout(model, args.gpus, hardware, budget, device=device,
+                                                                  dtype=args.dtype, grad_dtype=args.grad_dtype)
+    if not valid_layouts:
         raise UsageError(f"gpus: no valid layout of {model.name} on {args.gpus} GPUs "
                          f"({hardware.scale_up_gpus} per scale-up domain)")
-    priced, state_over_budget = price_layouts(model, layouts, hardware, budget, device=device, dtype=args.dtype,
-                                              grad_dtype=args.grad_dtype)
     ranked = rank_estimates(priced)
     if args.json:
         print(json.dumps({"model": model.name, "gpus": args.gpus, "hardware": hardware.name, "device": device,
-                          "memory_budget_bytes": budget, "valid_layouts": len(layouts),
-                          "state_over_budget": state_over_budget, "layouts": [e.to_dict() for e in ranked]}, indent=2))
+                          "memory_budget_bytes": budget, "valid_layouts": valid_layouts,
+                          "state_over_budget": state_over_budget, "layouts": [e.to_dict() for e in ranked]}))
     else:
         print_estimates(ranked, model.name, args.gpus, hardware.name, args.top, state_over_budget, budget)
     return 0

@@ -23,7 +23,7 @@ from autotune.config import GIB, HardwareConfig, ModelConfig, as_trained, per_mo
 from autotune.errors import UsageError
 from autotune.estimate_memory import DEVICES, TERMS, model_figures, pipeline_shapes, rank_terms, state_floor
 from autotune.estimate_time import Links, step_time
-from autotune.layout import Layout, enumerate_layouts
+from autotune.layout import Layout, enumerate_layouts, enumerate_layouts_skipping
 from autotune.schedules import SCHEDULES
 
 
@@ -97,9 +97,11 @@ class Estimate:
     exposed_comm_s: dict[str, float] = field(default_factory=dict)  # per dimension, on the critical path
 
     def to_dict(self) -> dict:
-        """JSON-ready: the layout as its string, unknown (NaN) figures as None."""
-        out = {k: _json_safe(v) for k, v in dataclasses.asdict(self).items()}
-        out["layout"] = str(self.layout)
+        """JSON-ready: the layout as its string, unknown (NaN) figures as None. Field by
+        field, not dataclasses.asdict (which deep-copies, the Layout too): a listing turns
+        tens of thousands of estimates into JSON."""
+        out = {f.name: _json_safe(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["layout"] = self.layout.text
         out["layout_short"] = self.layout.short()
         return out
 
@@ -114,14 +116,15 @@ def _json_safe(value):
 
 def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memory_budget_bytes: float | None = None,
              calibration: Calibration | None = None, device: str = "cuda", dtype: str | None = None,
-             grad_dtype: str | None = None) -> Estimate:
+             grad_dtype: str | None = None, time_over_budget: bool = True) -> Estimate:
     """Price one layout (valid: see layout.check) of `model` on `hardware`.
 
     The precision is the one the trial trains in (config.trained_dtype): `dtype`, else the
     model's on CUDA, fp32 on the CPU; the gradients' is `grad_dtype`, else the model's
     (config.trained_grad_dtype). Time needs hardware.peak_tflops; where it is 0 (the
     CPU preset: measured at run time) the time fields are NaN and memory is still
-    estimated.
+    estimated. `time_over_budget=False` leaves them NaN too where the layout does not fit
+    the budget: a listing of every layout ranks those by memory alone.
 
     Compute runs at the device's dense peak for the precision (HardwareConfig.dense_tflops):
     fp8 and mxfp8 run the blocks' linear layers at the fp8 / MX rate and the rest (the
@@ -148,7 +151,7 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
     fits = memory_budget_bytes is None or peak <= memory_budget_bytes
     common = dict(layout=layout, peak_mem_bytes=peak, memory=memory, fits=fits, memory_budget_bytes=memory_budget_bytes,
                   device=device, worst_pp_rank=worst_rank, peak_phase=phase, grad_accum=layout.grad_accum(model))
-    if not hardware.peak_tflops:
+    if not hardware.peak_tflops or not (fits or time_over_budget):
         nan = math.nan
         return Estimate(step_time_s=nan, tokens_per_s=nan, mfu=nan, comm_fraction=nan, bubble_fraction=nan,
                         tokens_per_s_per_gpu=nan, compute_s=nan, bubble_s=nan, total_comm_fraction=nan, **common)
@@ -286,22 +289,30 @@ def every_layout(model: ModelConfig, gpus: int, gpus_per_node: int, spaces: list
     return list(layouts)
 
 
-def price_layouts(model: ModelConfig, layouts: list[Layout], hardware: HardwareConfig,
-                  memory_budget_bytes: float | None, device: str = "cuda", dtype: str | None = None,
-                  grad_dtype: str | None = None) -> tuple[list[Estimate], int]:
-    """(the estimates of the layouts that may fit, how many were not priced because their
-    state alone is over the budget: estimate_memory.state_floor). On a large model most
-    layouts of a cluster are such (deepseek-v3 on 256 H100s: 246,432 of 272,494), and
-    their floor costs a few microseconds against a full estimate's tens."""
+def price_every_layout(model: ModelConfig, gpus: int, hardware: HardwareConfig, memory_budget_bytes: float | None,
+                       device: str = "cuda", dtype: str | None = None, grad_dtype: str | None = None
+                       ) -> tuple[list[Estimate], int, int]:
+    """(the estimates of the valid layouts of `reasonable_space` that may fit, how many valid
+    layouts there are, how many of them were not priced because their state alone is over
+    the budget: estimate_memory.state_floor). On a large model most layouts of a cluster
+    are such (deepseek-v3 on 256 H100s: 246,432 of 272,494); the enumeration counts them
+    without building them, one floor per combination of the keys the state depends on.
+    The count is exact because reasonable_space's sub-spaces share no layout (they differ
+    in schedule where pp > 1, and one holds pp = 1). A layout priced over the budget gets
+    its memory and no time (NaN): ranked after those that fit, by memory."""
     trained = _trained(model, device, dtype, grad_dtype)
-    priced, skipped = [], 0
-    for layout in layouts:
-        if memory_budget_bytes is not None and state_floor(trained, layout, device) > memory_budget_bytes:
-            skipped += 1
-            continue
-        priced.append(estimate(model, layout, hardware, memory_budget_bytes, device=device, dtype=dtype,
-                               grad_dtype=grad_dtype))
-    return priced, skipped
+
+    def over_budget(layout: Layout) -> bool:
+        return memory_budget_bytes is not None and state_floor(trained, layout, device) > memory_budget_bytes
+
+    layouts, skipped = {}, 0
+    for space in reasonable_space(model, gpus, hardware.scale_up_gpus):
+        kept, over = enumerate_layouts_skipping(model, gpus, space, hardware.scale_up_gpus, over_budget)
+        layouts.update(dict.fromkeys(kept))
+        skipped += over
+    priced = [estimate(model, layout, hardware, memory_budget_bytes, device=device, dtype=dtype,
+                       grad_dtype=grad_dtype, time_over_budget=False) for layout in layouts]
+    return priced, len(layouts) + skipped, skipped
 
 
 def rank_estimates(estimates: list[Estimate]) -> list[Estimate]:

@@ -6,9 +6,10 @@
 Prints one JSON line: the layout count, the best of R timings of estimating them all
 (wall and CPU seconds; each starts with the estimator's memo of the model cleared),
 the time to enumerate them (layout.py's work, reported apart), the time of what
-`autotune estimate` without --layout does (enumerate, then price_layouts: a full
-estimate only where the state fits the budget), and the machine's load average, since
-a busy machine slows all of them. `--model deepseek-v3 --gpus 256` is the MoE case.
+`autotune estimate` without --layout does (price_every_layout: enumerate, skipping
+the layouts whose state alone is over the budget, then a full estimate of the rest),
+and the machine's load average, since a busy machine slows all of them.
+`--model deepseek-v3 --gpus 256` is the MoE case.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 from autotune import estimate_memory
 from autotune.config import load_hardware, load_model
-from autotune.estimate import budget_bytes, estimate, every_layout, price_layouts
+from autotune.estimate import budget_bytes, estimate, every_layout, price_every_layout
 
 
 def main() -> None:
@@ -48,9 +49,9 @@ def main() -> None:
         cpus.append(time.process_time() - cpu)
     estimate_memory.model_figures.cache_clear()
     start = time.perf_counter()
-    priced, state_over_budget = price_layouts(model, every_layout(model, args.gpus, hardware.scale_up_gpus),
-                                              hardware, budget)
+    priced, valid, state_over_budget = price_every_layout(model, args.gpus, hardware, budget)
     listing_s = time.perf_counter() - start
+    assert valid == len(layouts), (valid, len(layouts))  # the skipped layouts are counted, not lost
     print(json.dumps({
         "model": model.name, "gpus": args.gpus, "hardware": hardware.name, "layouts": len(layouts),
         "predicted_oom": sum(not e.fits for e in estimates),

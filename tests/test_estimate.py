@@ -612,18 +612,27 @@ def test_a_device_without_the_precision_refuses():
 
 
 def test_state_floor_is_below_every_peak_and_skips_only_layouts_that_do_not_fit():
-    """price_layouts leaves unpriced only layouts whose state alone is over the budget; the
-    floor is a true lower bound of the estimated peak on every layout."""
-    from autotune.estimate import _trained, price_layouts
+    """price_every_layout leaves unpriced only layouts whose state alone is over the
+    budget, and counts them; the floor is a true lower bound of the estimated peak on
+    every layout, and reads only the state keys (the enumeration asks it with the other
+    keys at their defaults)."""
+    from autotune import estimate_memory
+    from autotune.estimate import _trained, price_every_layout
     from autotune.estimate_memory import state_floor
+    from autotune.layout import STATE_KEYS
     moe = load_model("tiny-moe")
+    assert H100.scale_up_gpus == 8
     layouts = every_layout(moe, 8, 8)
     estimates = [estimate(moe, layout, H100) for layout in layouts]
     trained = _trained(moe, "cuda", None, None)
     floors = [state_floor(trained, layout, "cuda") for layout in layouts]
     assert all(f <= e.peak_mem_bytes for f, e in zip(floors, estimates))
+    state_only = [Layout(dp=layout.dp, **{k: getattr(layout, k) for k in STATE_KEYS}) for layout in layouts]
+    estimate_memory.model_figures.cache_clear()
+    assert [state_floor(_trained(moe, "cuda", None, None), layout, "cuda") for layout in state_only] == floors
     budget = sorted(floors)[len(floors) // 2]  # half the layouts' state is over it
-    priced, skipped = price_layouts(moe, layouts, H100, budget)
+    priced, valid, skipped = price_every_layout(moe, 8, H100, budget)
+    assert valid == len(layouts)
     assert skipped == sum(f > budget for f in floors) > 0
-    assert {e.layout for e in priced} == {l for l, f in zip(layouts, floors) if f <= budget}
-    assert price_layouts(moe, layouts, H100, None)[1] == 0
+    assert [e.layout for e in priced] == [l for l, f in zip(layouts, floors) if f <= budget]
+    assert price_every_layout(moe, 8, H100, None)[1:] == (len(layouts), 0)
