@@ -337,6 +337,12 @@ class HardwareConfig:
     # has). Empty: every precision at peak_tflops (a custom YAML, the calibrated CPU). Left out
     # of the hash (a dict is not hashable); equality still compares it.
     dense_tflops: dict = dataclasses.field(default_factory=dict, hash=False)
+    # The fraction of a precision's dense peak that training in it reaches on this device,
+    # fitted to published runs (benchmarks/published_runs.py): bf16, fp16, fp32 all of the
+    # compute (estimate.Calibration.compute_efficiency); fp8, mxfp8 the 8-bit linears (the rest
+    # runs at the bf16 entry). A precision left out keeps the prior. Left out of the hash as
+    # dense_tflops is.
+    compute_efficiency: dict = dataclasses.field(default_factory=dict, hash=False)
 
     def validate(self) -> "HardwareConfig":
         _positive("gpus_per_host", self.gpus_per_host)
@@ -356,6 +362,12 @@ class HardwareConfig:
                                  f"(known: {', '.join(HARDWARE_PRECISIONS)})")
             if isinstance(tflops, bool) or not isinstance(tflops, (int, float)) or tflops <= 0:
                 raise UsageError(f"dense_tflops.{precision}: must be a positive number, got {tflops!r}")
+        for precision, efficiency in self.compute_efficiency.items():
+            if precision not in HARDWARE_PRECISIONS:
+                raise UsageError(f"compute_efficiency.{precision}: unknown precision "
+                                 f"(known: {', '.join(HARDWARE_PRECISIONS)})")
+            if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+                raise UsageError(f"compute_efficiency.{precision}: must be a number in (0, 1], got {efficiency!r}")
         return self
 
     def matmul_tflops(self, dtype: str) -> float:
@@ -395,10 +407,12 @@ def hardware_from_dict(data: dict) -> HardwareConfig:
             data[new] = data.pop(old)
     if "gpus_per_host" in data:
         data.setdefault("scale_up_gpus", data["gpus_per_host"])
-    dense = data.pop("dense_tflops", None) or {}
-    if not isinstance(dense, dict):
-        raise UsageError(f"dense_tflops: must be a mapping of precision: TFLOP/s, got {type(dense).__name__}")
-    return dataclasses.replace(_build(HardwareConfig, data), dense_tflops=dict(dense)).validate()
+    mappings = {}
+    for name, what in (("dense_tflops", "TFLOP/s"), ("compute_efficiency", "fraction")):
+        mappings[name] = data.pop(name, None) or {}
+        if not isinstance(mappings[name], dict):
+            raise UsageError(f"{name}: must be a mapping of precision: {what}, got {type(mappings[name]).__name__}")
+    return dataclasses.replace(_build(HardwareConfig, data), **{k: dict(v) for k, v in mappings.items()}).validate()
 
 
 # -- loading ---------------------------------------------------------------------------------

@@ -59,10 +59,21 @@ class Calibration:
 _PRIORS = {"cuda": Calibration(), "cpu": Calibration(compute_efficiency=0.5, bandwidth_efficiency=0.5, latency_s=1e-4)}
 
 
-def default_calibration(device: str) -> Calibration:
+def default_calibration(device: str, hardware: HardwareConfig | None = None, dtype: str | None = None) -> Calibration:
+    """The device's prior; on CUDA, what published runs reached on that hardware where its
+    preset says (HardwareConfig.compute_efficiency): the precision's own fraction of its peak,
+    and for fp8 / mxfp8 the bf16 one for the rest of the compute, the 8-bit one for the
+    linears (linear_8bit_efficiency = 8-bit / bf16, as Calibration counts it)."""
     if device not in DEVICES:
         raise UsageError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
-    return _PRIORS[device]
+    prior = _PRIORS[device]
+    fitted = hardware.compute_efficiency if hardware is not None and device == "cuda" else {}
+    eight_bit = dtype in ("fp8", "mxfp8")
+    base = fitted.get("bf16" if eight_bit else dtype, prior.compute_efficiency)
+    linear = fitted[dtype] / base if eight_bit and dtype in fitted else prior.linear_8bit_efficiency
+    if (base, linear) == (prior.compute_efficiency, prior.linear_8bit_efficiency):
+        return prior
+    return dataclasses.replace(prior, compute_efficiency=base, linear_8bit_efficiency=linear)
 
 
 @dataclass
@@ -135,7 +146,7 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
     """
     model = _trained(model, device, dtype, grad_dtype)
     base_tflops, linear_tflops = precision_tflops(hardware, model.dtype)
-    cal = calibration or default_calibration(device)
+    cal = calibration or default_calibration(device, hardware, model.dtype)
     shapes = pipeline_shapes(model, layout)
     peak, worst_rank, phase, terms = -1.0, 0, "", ()
     for shape in shapes:
@@ -215,7 +226,7 @@ def calibrate(measured: list[tuple[Layout, dict]], model: ModelConfig, hardware:
     peak_mem_bytes (a median ratio when fewer than three predictions spread). A factor
     without usable trials keeps its prior.
     """
-    prior = default_calibration(device)
+    prior = default_calibration(device, hardware, _trained(model, device, dtype, grad_dtype).dtype)
     usable = [(layout, t) for layout, t in measured if t.get("status") == "complete" or t.get("reason") == "comm_bound"]
     compute_ratios, bandwidth_ratios, memory_points = [], [], []
     for layout, trial in usable:

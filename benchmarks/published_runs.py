@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from autotune.config import GIB, load_hardware, load_model
-from autotune.estimate import estimate
+from autotune.estimate import Calibration, estimate
 from autotune.estimate_memory import TERMS, layer_bytes
 from autotune.layout import resolve
 
@@ -40,12 +40,16 @@ HERE = Path(__file__).parent
 CSV = HERE / "published_runs.csv"
 OUT = HERE / "published_runs.md"
 MODELS = HERE / "published_models"
-FIT_TARGET, MEMORY_TARGET = 0.90, 0.15
+FIT_TARGET, MEMORY_TARGET, TOKENS_TARGET = 0.90, 0.15, 0.12
 
 # The hardware preset whose links and peak FLOP/s price the time of each GPU (memory is
 # the row's budget_gib, so the preset's own memory does not matter).
 HARDWARE = {"h100-80gb": "h100-sxm", "h100-96gb": "h100-sxm", "a100-80gb": "a100-80gb", "h200": "h200",
-            "b200": "b200", "b300": "b200", "gb200": "b200", "gb300": "b200"}
+            "b200": "b200", "b300": "b300", "gb200": "gb200", "gb300": "gb300"}
+# The GPUs whose fitted compute efficiency is the preset's (its compute_efficiency): all but
+# torchtitan's H100s, which ran at a 500 W power limit (700 W is the SXM part's TDP) and get
+# a factor of their own, kept here.
+PRESET_FITTED = {k: v for k, v in HARDWARE.items() if k != "h100-96gb"}
 HARDWARE_NOTES = {
     "h100-80gb": "H100 SXM 80 GB (DGX-H100): the h100-sxm preset's 80 GiB",
     "h100-96gb": "H100 96 GB HBM2e (Meta's Grand Teton, torchtitan's runs): 95 GiB",
@@ -113,7 +117,8 @@ def row_model(row: dict):
     return dataclasses.replace(model, seq_len=int(row["seq_len"]), global_batch_size=int(row["gbs"]))
 
 
-def price(row: dict):
+def price(row: dict, calibration: Calibration | None = None):
+    """The row's estimate; the time at `calibration` (default: the preset's fitted efficiency)."""
     model = row_model(row)
     hardware = load_hardware(HARDWARE[row["hardware"]])
     layout = resolve(row["layout"], model, int(row["gpus"]), hardware.scale_up_gpus)
@@ -127,7 +132,7 @@ def price(row: dict):
     if int(row["tp"]) > 1 and not layout.sp:
         raise SystemExit(f"{row['id']}: tp > 1 without sp (both frameworks run sequence parallel with TP)")
     budget = float(row["budget_gib"]) * GIB
-    return estimate(model, layout, hardware, budget, device="cuda", dtype=row["priced_as"],
+    return estimate(model, layout, hardware, budget, calibration, device="cuda", dtype=row["priced_as"],
                     grad_dtype=row["grad_dtype"])
 
 
@@ -183,6 +188,152 @@ def error_lines(priced) -> tuple[list[str], bool]:
                      f"{statistics.median(abs(x) for x in errors):.1%} | {min(errors):+.1%} | {max(errors):+.1%} | "
                      f"{within} of {len(errors)} |")
     return lines, ok
+
+
+# -- throughput: the compute efficiency fitted per GPU and precision ------------------------------
+
+EIGHT_BIT = ("fp8", "mxfp8")
+
+def fit_group(row: dict) -> tuple[str, str]:
+    """Rows that share one fitted efficiency: the same GPU (as published) in the same precision,
+    fp8 and mxfp8 together ("8-bit": on Blackwell they share the peak, and too few rows of each
+    would fit alone)."""
+    return row["hardware"], "bf16" if row["priced_as"] not in EIGHT_BIT else "8-bit"
+
+
+def published_tokens(row: dict) -> float:
+    return float(row["source_tokens_per_s_per_gpu"])
+
+
+def tokens_error(row: dict, result) -> float:
+    return result.tokens_per_s_per_gpu / published_tokens(row) - 1
+
+
+def split_for_fitting(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(rows to fit on, rows held out): in each group, in the table's order, the first,
+    third, ... fit and the second, fourth, ... are held out; a group of one only fits."""
+    by_group: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(fit_group(row), []).append(row)
+    fit = [r for group in by_group.values() for r in group[::2]]
+    held = [r for group in by_group.values() for r in group[1::2]]
+    return fit, held
+
+
+def calibration_for(precision: str, efficiency: float, bf16_efficiency: float | None) -> Calibration:
+    """The Calibration that HardwareConfig.compute_efficiency {precision: efficiency} gives
+    (estimate.default_calibration): 8-bit linears at `efficiency` of their peak, the rest at
+    the device's bf16 fraction (the prior where it has none)."""
+    prior = Calibration()
+    if precision not in EIGHT_BIT:
+        return Calibration(compute_efficiency=efficiency)
+    base = bf16_efficiency or prior.compute_efficiency
+    return Calibration(compute_efficiency=base, linear_8bit_efficiency=efficiency / base)
+
+
+def fit_efficiency(rows: list[dict], bf16_efficiency: float | None) -> float | None:
+    """The fraction of the precision's peak at which the median of predicted / published
+    tokens/s over `rows` is 1 (bisection over (0, 1]: a row's tokens/s rise with it); None
+    where even the whole peak is too slow (the model's time is then mostly communication
+    and bubbles). A median, so one odd row cannot drag its group."""
+    def median_ratio(efficiency: float) -> float:
+        return statistics.median(price(r, calibration_for(r["priced_as"], efficiency, bf16_efficiency))
+                                 .tokens_per_s_per_gpu / published_tokens(r) for r in rows)
+    if median_ratio(1.0) < 1:
+        return None
+    low, high = 0.02, 1.0
+    for _ in range(16):  # to 1.5e-5, below the 3 decimals kept
+        middle = (low + high) / 2
+        low, high = (middle, high) if median_ratio(middle) < 1 else (low, middle)
+    return round((low + high) / 2, 3)
+
+
+def fitted_efficiencies(rows: list[dict]) -> dict[tuple[str, str], float | None]:
+    """{(GPU, precision): fitted fraction, or None where none fits}: bf16 groups first,
+    since an 8-bit group's other compute runs at its GPU's bf16 fraction."""
+    fit, _ = split_for_fitting(rows)
+    groups: dict[tuple, list[dict]] = {}
+    for row in fit:
+        groups.setdefault(fit_group(row), []).append(row)
+    fitted: dict[tuple[str, str], float | None] = {}
+    for group in sorted(groups, key=lambda g: g[1] != "bf16"):
+        fitted[group] = fit_efficiency(groups[group], fitted.get((group[0], "bf16")))
+    return fitted
+
+
+def group_calibration(row: dict, efficiencies: dict) -> Calibration:
+    """The row priced as the presets price it once they hold the fit: its group's fraction,
+    the GPU's bf16 one for the rest of an 8-bit row, the prior where a group has none."""
+    gpu, group = fit_group(row)
+    value, bf16 = efficiencies.get((gpu, group)), efficiencies.get((gpu, "bf16"))
+    if value is None:
+        return Calibration(compute_efficiency=bf16) if bf16 and group == "bf16" else Calibration()
+    return calibration_for(row["priced_as"], value, bf16)
+
+
+def stale_presets(efficiencies: dict[tuple[str, str], float | None]) -> list[str]:
+    """Presets whose compute_efficiency differs from the fit (the YAML is the home of the
+    figure; this script derives it and says when the two part)."""
+    stale = []
+    for (gpu, group), value in sorted(efficiencies.items()):
+        if gpu not in PRESET_FITTED:
+            continue
+        preset = load_hardware(PRESET_FITTED[gpu])
+        keys = [group] if group == "bf16" else [p for p in EIGHT_BIT if p in preset.dense_tflops]
+        for key in keys:
+            if preset.compute_efficiency.get(key) != value:
+                stale.append(f"{preset.name}: compute_efficiency.{key} is {preset.compute_efficiency.get(key)}, "
+                             f"the fit {value}")
+    return stale
+
+
+def tokens_lines(rows_with_tokens: list[dict], efficiencies: dict) -> tuple[list[str], bool]:
+    """The held-out rows priced at their group's fitted efficiency, and every row at the
+    prior (0.55 of peak), against the tokens/s/GPU each source reports."""
+    prior = Calibration()
+    fit, held = split_for_fitting(rows_with_tokens)
+    at_prior = {r["id"]: tokens_error(r, price(r, prior)) for r in rows_with_tokens}
+    fitted = {r["id"]: tokens_error(r, price(r, group_calibration(r, efficiencies))) for r in rows_with_tokens}
+
+    def stats(label: str, errors: list[float]) -> str:
+        low = sum(e < 0 for e in errors)
+        return (f"| {label} | {len(errors)} | {statistics.median(errors):+.1%} | "
+                f"{statistics.median(abs(e) for e in errors):.1%} | {low} / {len(errors) - low} | "
+                f"{sum(abs(e) <= TOKENS_TARGET for e in errors)} |")
+    held_errors = [fitted[r["id"]] for r in held]
+    ok = abs(statistics.median(abs(e) for e in held_errors)) <= TOKENS_TARGET
+    lines = [f"## Tokens/s/GPU against the source (target: median |error| at most {TOKENS_TARGET:.0%} on rows "
+             "not fitted on, no systematic sign)", "",
+             "The fraction of the precision's dense peak that training reaches (bf16: all the compute, "
+             "estimate.Calibration.compute_efficiency; fp8 and mxfp8: the 8-bit linears, the rest at the GPU's "
+             "bf16 fraction or the prior 0.55) is fitted per GPU and precision (`fit_group`) on half the rows of "
+             "each group (the first, third, ... in the table's order; a group of one row only fits) so that the "
+             "median predicted / published tokens/s is 1, and checked on the other half. A group whose rows "
+             "are too slow even at the whole peak is not fitted and keeps the prior. The fitted values are the "
+             "presets' `compute_efficiency` (autotune/hardware/*.yaml), which `autotune estimate` uses by "
+             "default, except for torchtitan's 500 W H100s (`h100-96gb`), which keep a factor of their own "
+             "here. error = predicted / published - 1.", "",
+             "| rows | count | median error | median abs error | low / high | within 12% |",
+             "|---|---|---|---|---|---|",
+             stats("held out, fitted efficiency", held_errors),
+             stats("fitted on, fitted efficiency", [fitted[r["id"]] for r in fit]),
+             stats("every row, the prior (0.55; 8-bit linears 0.33)", list(at_prior.values())), "",
+             f"**{'Met' if ok else 'Missed'}** on the held-out rows.", "",
+             "| GPU | precision | fitted efficiency | rows fitted on | rows held out |", "|---|---|---|---|---|"]
+    for (gpu, precision), value in sorted(efficiencies.items()):
+        on = [r["id"] for r in fit if fit_group(r) == (gpu, precision)]
+        off = [r["id"] for r in held if fit_group(r) == (gpu, precision)]
+        lines.append(f"| {gpu} | {precision} | {value if value is not None else 'none (too slow at the peak)'} | "
+                     f"{', '.join(on)} | {', '.join(off) or '-'} |")
+    lines += ["", "| id | GPU | precision | model | layout | published | predicted (fitted) | error | at the prior | "
+              "held out |", "|---|---|---|---|---|---|---|---|---|---|"]
+    held_ids = {r["id"] for r in held}
+    for r in rows_with_tokens:
+        e = price(r, group_calibration(r, efficiencies))
+        lines.append(f"| {r['id']} | {r['hardware']} | {r['priced_as']} | {r['model']} | `{r['layout']}` | "
+                     f"{published_tokens(r):,.0f} | {e.tokens_per_s_per_gpu:,.0f} | {fitted[r['id']]:+.1%} | "
+                     f"{at_prior[r['id']]:+.1%} | {'yes' if r['id'] in held_ids else ''} |")
+    return lines + [""], ok
 
 
 def megatron_layer_bytes(model, tp: int) -> float:
@@ -325,6 +476,14 @@ def write_report(priced, path: Path = OUT) -> bool:
               "| " + " | ".join(TERMS) + " |", "|" + "---|" * len(TERMS),
               "| " + " | ".join(gib(e.memory.get(t, 0.0)) for t in TERMS) + " |", ""]
 
+    rows_with_tokens = [r for r, _ in ran if r["source_tokens_per_s_per_gpu"]]
+    efficiencies = fitted_efficiencies(rows_with_tokens)
+    tokens_rows, tokens_ok = tokens_lines(rows_with_tokens, efficiencies)
+    stale = stale_presets(efficiencies)
+    if stale:
+        tokens_rows += ["Presets that differ from this fit (copy the fitted value into the YAML): "
+                        + "; ".join(stale) + ".", ""]
+    L += tokens_rows
     L += reading_lines()
     L += ["## How the frameworks' settings map to our layout keys", "",
           "- **GPUs = tp x pp x cp x dp.** `dp` is the data-parallel degree the framework reports (torchtitan's "
@@ -369,7 +528,9 @@ def write_report(priced, path: Path = OUT) -> bool:
         L.append(f"- {source}: {ids[0]} to {ids[-1]} ({len(ids)} rows)")
     L.append("")
     path.write_text("\n".join(L))
-    return fit_ok and err_ok
+    for line in stale:
+        print(f"stale preset: {line}")
+    return fit_ok and err_ok and tokens_ok and not stale
 
 
 def main(argv=None) -> int:

@@ -80,3 +80,41 @@ def test_layout_rule_and_report_use_the_domain():
         "name": "h100-sxm", "peak_tflops": 989, "memory_gb": 80, "gpus_per_node": 8, "intra_node_gbps": 450,
         "inter_node_gbps": 50})
     assert (old.per_node, old.scale_up, old.hardware_config.scale_out_gbps) == (8, 8, 50)
+
+
+def test_fitted_efficiency_is_the_prior_where_a_preset_has_none():
+    """A preset's compute_efficiency (fitted to published runs) is what `estimate` prices with
+    by default: bf16 all the compute; fp8 and mxfp8 the 8-bit linears, the rest at the bf16
+    fraction (or the prior where there is none)."""
+    from autotune.estimate import default_calibration
+    prior = default_calibration("cuda")
+    gb200 = load_hardware("gb200")
+    bf16, eight = gb200.compute_efficiency["bf16"], gb200.compute_efficiency["fp8"]
+    assert default_calibration("cuda", gb200, "bf16").compute_efficiency == bf16
+    fp8 = default_calibration("cuda", gb200, "fp8")
+    assert (fp8.compute_efficiency, fp8.compute_efficiency * fp8.linear_8bit_efficiency) == pytest.approx((bf16, eight))
+    h100 = load_hardware("h100-sxm")
+    assert "bf16" not in h100.compute_efficiency
+    assert default_calibration("cuda", h100, "bf16") == prior
+    assert default_calibration("cuda", h100, "fp8").compute_efficiency == prior.compute_efficiency
+    assert default_calibration("cpu", gb200, "bf16") == default_calibration("cpu")  # the CPU runtime's own prior
+    model = load_model("tiny")
+    layout = resolve("dp=8", model, 8, 8)
+    by_default = estimate(model, layout, gb200, dtype="bf16").step_time_s
+    assert by_default == estimate(model, layout, gb200, calibration=default_calibration("cuda", gb200, "bf16"),
+                                  dtype="bf16").step_time_s
+    assert by_default < estimate(model, layout, gb200, calibration=prior, dtype="bf16").step_time_s
+
+
+@pytest.mark.parametrize("value, problem", [
+    ({"bf17": 0.5}, r"^compute_efficiency.bf17: unknown precision \(known: bf16, "),
+    ({"bf16": 1.5}, r"^compute_efficiency.bf16: must be a number in \(0, 1\], got 1.5$"),
+    ({"fp8": 0}, r"^compute_efficiency.fp8: must be a number in \(0, 1\], got 0$"),
+    ([0.5], r"^compute_efficiency: must be a mapping of precision: fraction, got list$"),
+])
+def test_a_bad_compute_efficiency_is_refused_in_one_line(value, problem):
+    from autotune.config import hardware_from_dict
+    data = {"name": "x", "peak_tflops": 100, "memory_gb": 80, "gpus_per_host": 8, "scale_up_gbps": 400,
+            "scale_out_gbps": 50, "compute_efficiency": value}
+    with pytest.raises(UsageError, match=problem):
+        hardware_from_dict(data)
