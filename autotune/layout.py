@@ -515,14 +515,15 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
         if place < place_of.get(layout, size):
             place_of[layout] = place
 
-    # How many layouts lie below a skipped prefix depends only on the state keys that the
-    # later rules and the folding read (the degrees, for dp and sp): one count per signature.
+    # How many layouts lie below a skipped prefix depends only on the canonical values of the
+    # state keys that the later rules and the folding read (the degrees, for dp and sp): one
+    # count per signature.
     signature_keys = sorted(set().union({"tp", "pp", "cp"}, *(reads(r) for rules in due[split + 1:] for r in rules))
                             & set(chosen[:split]))
     counts: dict[tuple, int] = {}
 
-    def count_below(given: dict) -> int:
-        signature = tuple(given[k] for k in signature_keys)
+    def count_below(given: dict, canonical: Layout) -> int:
+        signature = tuple(getattr(canonical, k) for k in signature_keys)
         if signature not in counts:
             suffixes = set()
             choose(split, len(chosen), dict(given), 0, lambda combination, _: suffixes.add(
@@ -534,8 +535,8 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
     if not broken(layout_of({}), due[0]):
         choose(0, split, {}, 0, add_prefix)
     for place, given in prefixes.values():
-        if skip is not None and skip(canonical_of(given)):
-            skipped += count_below(given)
+        if skip is not None and skip(canonical := canonical_of(given)):
+            skipped += count_below(given, canonical)
         else:
             choose(split, len(chosen), given, place, add_layout)
     return sorted(place_of, key=place_of.__getitem__), skipped

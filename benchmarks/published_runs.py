@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from autotune.config import GIB, load_hardware, load_model
-from autotune.estimate import Calibration, estimate
+from autotune.estimate import estimate
 from autotune.estimate_memory import TERMS, layer_bytes
 from autotune.layout import resolve
 
@@ -117,10 +117,13 @@ def row_model(row: dict):
     return dataclasses.replace(model, seq_len=int(row["seq_len"]), global_batch_size=int(row["gbs"]))
 
 
-def price(row: dict, calibration: Calibration | None = None):
-    """The row's estimate; the time at `calibration` (default: the preset's fitted efficiency)."""
+def price(row: dict, compute_efficiency: dict | None = None):
+    """The row's estimate; the time at the preset's compute_efficiency, or at the one given
+    ({precision: fraction of its peak}, HardwareConfig.compute_efficiency; {}: the prior)."""
     model = row_model(row)
     hardware = load_hardware(HARDWARE[row["hardware"]])
+    if compute_efficiency is not None:
+        hardware = dataclasses.replace(hardware, compute_efficiency=compute_efficiency)
     layout = resolve(row["layout"], model, int(row["gpus"]), hardware.scale_up_gpus)
     for key in CHECKED:
         if int(row[key]) != getattr(layout, key):
@@ -132,7 +135,7 @@ def price(row: dict, calibration: Calibration | None = None):
     if int(row["tp"]) > 1 and not layout.sp:
         raise SystemExit(f"{row['id']}: tp > 1 without sp (both frameworks run sequence parallel with TP)")
     budget = float(row["budget_gib"]) * GIB
-    return estimate(model, layout, hardware, budget, calibration, device="cuda", dtype=row["priced_as"],
+    return estimate(model, layout, hardware, budget, device="cuda", dtype=row["priced_as"],
                     grad_dtype=row["grad_dtype"])
 
 
@@ -194,6 +197,7 @@ def error_lines(priced) -> tuple[list[str], bool]:
 
 EIGHT_BIT = ("fp8", "mxfp8")
 
+
 def fit_group(row: dict) -> tuple[str, str]:
     """Rows that share one fitted efficiency: the same GPU (as published) in the same precision,
     fp8 and mxfp8 together ("8-bit": on Blackwell they share the peak, and too few rows of each
@@ -220,15 +224,13 @@ def split_for_fitting(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     return fit, held
 
 
-def calibration_for(precision: str, efficiency: float, bf16_efficiency: float | None) -> Calibration:
-    """The Calibration that HardwareConfig.compute_efficiency {precision: efficiency} gives
-    (estimate.default_calibration): 8-bit linears at `efficiency` of their peak, the rest at
-    the device's bf16 fraction (the prior where it has none)."""
-    prior = Calibration()
-    if precision not in EIGHT_BIT:
-        return Calibration(compute_efficiency=efficiency)
-    base = bf16_efficiency or prior.compute_efficiency
-    return Calibration(compute_efficiency=base, linear_8bit_efficiency=efficiency / base)
+def efficiencies_of(group: tuple[str, str], value: float, bf16: float | None) -> dict:
+    """The compute_efficiency a preset holds with `value` for the group's precisions and its
+    GPU's bf16 fraction `bf16` (the rest of an 8-bit row's compute runs at it)."""
+    gpu, precision = group
+    out = {"bf16": bf16} if bf16 else {}
+    out.update(dict.fromkeys(EIGHT_BIT if precision == "8-bit" else (precision,), value))
+    return out
 
 
 def fit_efficiency(rows: list[dict], bf16_efficiency: float | None) -> float | None:
@@ -236,9 +238,12 @@ def fit_efficiency(rows: list[dict], bf16_efficiency: float | None) -> float | N
     tokens/s over `rows` is 1 (bisection over (0, 1]: a row's tokens/s rise with it); None
     where even the whole peak is too slow (the model's time is then mostly communication
     and bubbles). A median, so one odd row cannot drag its group."""
+    group = fit_group(rows[0])
+
     def median_ratio(efficiency: float) -> float:
-        return statistics.median(price(r, calibration_for(r["priced_as"], efficiency, bf16_efficiency))
-                                 .tokens_per_s_per_gpu / published_tokens(r) for r in rows)
+        fractions = efficiencies_of(group, efficiency, bf16_efficiency)
+        return statistics.median(price(r, fractions).tokens_per_s_per_gpu / published_tokens(r) for r in rows)
+
     if median_ratio(1.0) < 1:
         return None
     low, high = 0.02, 1.0
@@ -261,14 +266,12 @@ def fitted_efficiencies(rows: list[dict]) -> dict[tuple[str, str], float | None]
     return fitted
 
 
-def group_calibration(row: dict, efficiencies: dict) -> Calibration:
-    """The row priced as the presets price it once they hold the fit: its group's fraction,
-    the GPU's bf16 one for the rest of an 8-bit row, the prior where a group has none."""
-    gpu, group = fit_group(row)
-    value, bf16 = efficiencies.get((gpu, group)), efficiencies.get((gpu, "bf16"))
-    if value is None:
-        return Calibration(compute_efficiency=bf16) if bf16 and group == "bf16" else Calibration()
-    return calibration_for(row["priced_as"], value, bf16)
+def group_efficiencies(row: dict, efficiencies: dict) -> dict:
+    """The row's GPU's compute_efficiency once its preset holds the fit: its group's fraction
+    and the GPU's bf16 one (none where a group has no fit: the prior)."""
+    gpu, precision = fit_group(row)
+    value, bf16 = efficiencies.get((gpu, precision)), efficiencies.get((gpu, "bf16"))
+    return efficiencies_of((gpu, precision), value, bf16) if value else ({"bf16": bf16} if bf16 else {})
 
 
 def stale_presets(efficiencies: dict[tuple[str, str], float | None]) -> list[str]:
@@ -290,10 +293,9 @@ def stale_presets(efficiencies: dict[tuple[str, str], float | None]) -> list[str
 def tokens_lines(rows_with_tokens: list[dict], efficiencies: dict) -> tuple[list[str], bool]:
     """The held-out rows priced at their group's fitted efficiency, and every row at the
     prior (0.55 of peak), against the tokens/s/GPU each source reports."""
-    prior = Calibration()
     fit, held = split_for_fitting(rows_with_tokens)
-    at_prior = {r["id"]: tokens_error(r, price(r, prior)) for r in rows_with_tokens}
-    fitted = {r["id"]: tokens_error(r, price(r, group_calibration(r, efficiencies))) for r in rows_with_tokens}
+    at_prior = {r["id"]: tokens_error(r, price(r, {})) for r in rows_with_tokens}
+    fitted = {r["id"]: tokens_error(r, price(r, group_efficiencies(r, efficiencies))) for r in rows_with_tokens}
 
     def stats(label: str, errors: list[float]) -> str:
         low = sum(e < 0 for e in errors)
@@ -329,7 +331,7 @@ def tokens_lines(rows_with_tokens: list[dict], efficiencies: dict) -> tuple[list
               "held out |", "|---|---|---|---|---|---|---|---|---|---|"]
     held_ids = {r["id"] for r in held}
     for r in rows_with_tokens:
-        e = price(r, group_calibration(r, efficiencies))
+        e = price(r, group_efficiencies(r, efficiencies))
         lines.append(f"| {r['id']} | {r['hardware']} | {r['priced_as']} | {r['model']} | `{r['layout']}` | "
                      f"{published_tokens(r):,.0f} | {e.tokens_per_s_per_gpu:,.0f} | {fitted[r['id']]:+.1%} | "
                      f"{at_prior[r['id']]:+.1%} | {'yes' if r['id'] in held_ids else ''} |")

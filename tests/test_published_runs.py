@@ -24,8 +24,8 @@ def test_presets_hold_the_fitted_efficiencies_and_held_out_rows_come_within_the_
     for row in fit + held:  # each priced as `autotune estimate` prices it by default: the preset's figure
         if row["hardware"] in published_runs.PRESET_FITTED:
             by_preset = published_runs.price(row).tokens_per_s_per_gpu
-            by_fit = published_runs.price(row, published_runs.group_calibration(row, efficiencies))
+            by_fit = published_runs.price(row, published_runs.group_efficiencies(row, efficiencies))
             assert by_preset == by_fit.tokens_per_s_per_gpu, row["id"]
-    errors = [published_runs.tokens_error(r, published_runs.price(r, published_runs.group_calibration(r, efficiencies)))
-              for r in held]
+    fitted = {r["id"]: published_runs.group_efficiencies(r, efficiencies) for r in held}
+    errors = [published_runs.tokens_error(r, published_runs.price(r, fitted[r["id"]])) for r in held]
     assert statistics.median(abs(e) for e in errors) <= published_runs.TOKENS_TARGET
