@@ -6,7 +6,8 @@ Reads one request per line on stdin, {"spec": TrialSpec JSON, "store": path, "st
 path, "stderr": path}; for each it points its stdout and stderr at the trial's files,
 forms a new gloo process group over the request's FileStore, runs the trial exactly as
 `python -m autotune.runtime.trial` does (trial.run, the same markers), destroys the group,
-collects garbage and writes `AUTOTUNE_DONE` on its stderr. A rank whose trial raised
+forgets DTensor's caches of it (torch_compat.forget_process_groups), collects garbage and
+writes `AUTOTUNE_DONE` on its stderr. A rank whose trial raised
 reports it (trial.report_error) and exits 1: the pool is then replaced, so a failure never
 leaves a process in an unknown state for the next trial. End of input: exit 0.
 """
@@ -22,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from autotune.runtime.torch_compat import forget_process_groups
 from autotune.runtime.trial import report_error, run
 from autotune.trialspec import DONE_MARKER, RESULT_MARKER, TrialSpec, die_with_parent
 
@@ -53,6 +55,7 @@ def serve(rank: int, world_size: int, requests) -> int:
                 print(RESULT_MARKER + json.dumps(result), flush=True)
             dist.barrier()
             dist.destroy_process_group()
+            forget_process_groups()
         except Exception as exc:  # noqa: BLE001 - reported, then this rank leaves the pool
             report_error(exc)
             return 1

@@ -41,6 +41,22 @@ def track_cpu_allocations() -> bool:
     return False
 
 
+def forget_process_groups() -> None:
+    """Clear what DTensor memoises by sharding specs: propagation results and redistribution
+    plans. A DeviceMesh compares equal to another of the same shape and names whatever
+    process groups it holds, so in a process that runs one trial after another (the warm
+    pool) a cached result can hand the next trial a mesh of the last one's destroyed groups
+    ("Could not resolve the process group registered under the name N"). Called between
+    trials; a few milliseconds of planning each trial pays again."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),  # each where this torch has it
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None)):
+        if clear is not None:
+            clear()
+
+
 # -- DeviceMesh: named views of the root mesh (runtime/mesh.py) -------------------------------
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
