@@ -1,18 +1,25 @@
 """Run many layouts in one group of real gloo processes, for the numerics tests.
 
-Starting a process costs seconds (importing torch), so each test spawns `world_size`
-processes once and runs every layout it compares inside that one process group,
-through the same `autotune.runtime.trial.run` that `autotune trial` uses.
+Starting a process costs seconds (importing torch), so the layouts run in warm ranks:
+`world_size` spawned processes kept from test to test (one group per world size), each
+call forming a new gloo process group over a fresh FileStore and running every layout
+it compares through the same `autotune.runtime.trial.run` that `autotune trial` uses, as
+autotune's own warm pool does for sweeps (autotune/pool.py: nothing a trial leaves
+changes the next one's losses or peak memory, tests/test_pool.py). A call that fails on
+any rank, or outlives its timeout, ends the group; the next call starts a fresh one.
+Profiled runs (they measure memory) and `run_on_ranks`' probes (they measure memory or
+patch torch) run on ranks started for the call.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import queue
 import tempfile
 import traceback
-from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -44,35 +51,126 @@ def gathered_parameters(model) -> dict:
     return merged
 
 
-def _worker(rank: int, world_size: int, store_path: str, specs: list[str], out_dir: str,
-            with_params: bool) -> None:
+def _run_specs(specs: list[str], with_params: bool) -> list[dict]:
+    """Every spec on the current process group, in order; rank 0's results (the others
+    are the same trial seen from another rank)."""
+    from autotune.runtime.trial import run
+
+    results = []
+    for text in specs:
+        keep: dict = {}
+        result = run(TrialSpec.from_json(text), keep=keep)
+        if with_params:
+            params = gathered_parameters(keep["trainer"].model)
+            result["params"] = {name: t.flatten().tolist() for name, t in sorted(params.items())}
+        results.append(result)
+        del keep
+    return results
+
+
+def _serve(rank: int, world_size: int, tasks, answers) -> None:
+    """A warm rank: for each (fn, args, store path) on its queue, join a new gloo group, call
+    fn(*args), answer (rank, True, value) or (rank, False, traceback), leave the group."""
+    import gc
+
     import torch
     import torch.distributed as dist
 
-    from autotune.runtime.trial import run
+    from autotune.runtime.torch_compat import forget_process_groups
 
     torch.set_num_threads(1)
-    os.environ["RANK"], os.environ["LOCAL_RANK"] = str(rank), str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    results = []
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    while (task := tasks.get()) is not None:
+        fn, args, store_path = task
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size)
+        try:
+            answers.put((rank, True, json.loads(json.dumps(fn(*args)))))  # as a JSON file gave it back before
+        except Exception:  # noqa: BLE001 - handed to the test, which fails with it
+            answers.put((rank, False, traceback.format_exc()))
+            return  # the group's other ranks may be stuck in a collective: the caller ends them all
+        dist.barrier()
+        dist.destroy_process_group()
+        forget_process_groups()  # as autotune's pool ranks do between trials
+        gc.collect()
+
+
+class WarmGroup:
+    """`world_size` spawned ranks that run one call after another (_serve)."""
+
+    def __init__(self, world_size: int):
+        context = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.answers = context.Queue()
+        self.processes = [context.Process(target=_serve, args=(rank, world_size, self.tasks[rank], self.answers),
+                                          daemon=True) for rank in range(world_size)]
+        for process in self.processes:
+            process.start()
+        self.directory = tempfile.TemporaryDirectory()
+        self.calls = 0
+
+    def call(self, fn, args: tuple, timeout_s: float) -> list:
+        """fn(*args) on every rank; the values in rank order. Raises where a rank raised,
+        died or did not answer within timeout_s (the caller then ends the group)."""
+        self.calls += 1
+        store = os.path.join(self.directory.name, f"store{self.calls}")
+        for tasks in self.tasks:
+            tasks.put((fn, args, store))
+        values = {}
+        while len(values) < self.world_size:
+            try:
+                rank, ok, value = self.answers.get(timeout=timeout_s)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.processes) if not p.is_alive()]
+                raise RuntimeError(f"ranks gave no answer in {timeout_s:.0f} s (dead ranks: {dead})") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} raised:\n{value}")
+            values[rank] = value
+        return [values[r] for r in range(self.world_size)]
+
+    def stop(self) -> None:
+        """End the ranks' loops and wait for them (close kills)."""
+        for tasks in self.tasks:
+            tasks.put(None)
+        self.close()
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(timeout=10)
+        self.directory.cleanup()
+
+
+_GROUPS: dict[int, WarmGroup] = {}
+
+
+def call_on_ranks(world_size: int, fn, args: tuple, fresh: bool = False, timeout_s: float = 600.0) -> list:
+    """fn(*args) on the warm group of `world_size` ranks (started on first use), or with
+    `fresh` on ranks started for this call alone; any failure ends the group, so the next
+    call starts from fresh processes."""
+    group = WarmGroup(world_size) if fresh else _GROUPS.get(world_size)
+    if group is None:
+        group = _GROUPS[world_size] = WarmGroup(world_size)
     try:
-        for text in specs:
-            keep: dict = {}
-            result = run(TrialSpec.from_json(text), keep=keep)
-            if with_params:
-                params = gathered_parameters(keep["trainer"].model)
-                result["params"] = {name: t.flatten().tolist() for name, t in sorted(params.items())}
-            results.append(result)
-    except Exception:
-        results.append({"status": "failed", "error": traceback.format_exc()})
+        values = group.call(fn, args, timeout_s)
+    except BaseException:
+        if group is _GROUPS.get(world_size):
+            del _GROUPS[world_size]
+        group.close()
         raise
-    finally:
-        if rank == 0:
-            Path(out_dir, "results.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    if fresh:
+        group.stop()
+    return values
+
+
+@atexit.register
+def _stop_groups() -> None:
+    for group in _GROUPS.values():
+        group.stop()
+    _GROUPS.clear()
 
 
 def run_layouts(world_size: int, layouts: list, model: str | ModelConfig = "tiny", steps: int = 3,
@@ -88,32 +186,16 @@ def run_layouts(world_size: int, layouts: list, model: str | ModelConfig = "tiny
         layout, own = (layout, {}) if isinstance(layout, str) else layout
         specs.append(TrialSpec(model=dataclasses.asdict(cfg), layout=layout, steps=steps, warmup=warmup, seed=seed,
                                profile=profile, **{**spec_fields, **own}).to_json())
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), specs, tmp, with_params),
-                           nprocs=world_size, start_method="spawn")
-        return json.loads(Path(tmp, "results.json").read_text())
-
-
-def _function_worker(rank: int, world_size: int, store_path: str, out_dir: str, fn, args: tuple) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ["RANK"], os.environ["LOCAL_RANK"] = str(rank), str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
-    try:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(fn(*args)))
-    finally:
-        dist.destroy_process_group()
+    # A profiled run measures memory, and a warm process has made the few one-time
+    # allocations a fresh one makes during its first steps: those run on fresh ranks.
+    return call_on_ranks(world_size, _run_specs, (specs, with_params), fresh=profile)[0]
 
 
 def run_on_ranks(world_size: int, fn, *args) -> list:
-    """Call fn(*args) on each of `world_size` gloo ranks; every rank's (JSON-able) return value.
+    """Call fn(*args) on each of `world_size` fresh gloo ranks; every rank's (JSON-able)
+    return value, as JSON gives it back. The probes measure memory or patch torch for
+    their test, so each call has processes of its own.
 
     fn must be a module-level function (the spawned processes import it by name)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_function_worker, args=(world_size, os.path.join(tmp, "store"), tmp, fn, args),
-                           nprocs=world_size, start_method="spawn")
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+    return call_on_ranks(world_size, fn, args, fresh=True)
+
