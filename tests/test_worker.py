@@ -209,7 +209,7 @@ def test_real_sweep_two_workers_one_killed_mid_trial(postgres_db, tmp_path):
     encoded = url.split("://", 1)[1].split("@")[0].split(":", 1)[1]
     common = ["--storage", url, "--study-name", "e2e"]
     main = start(["run", "--model", "tiny", "--gpus", "2", "--space", "quick", "--exhaustive", "--steps", "1",
-                  "--warmup", "0", "--heartbeat", "2", *common], tmp_path / "a", script=None)
+                  "--warmup", "0", "--heartbeat", "2", "--confirm", "0", *common], tmp_path / "a", script=None)
     plain = postgres_db[1]
     assert wait_for(lambda: load(plain, "e2e"), 90), Path(f"{tmp_path / 'a'}.log").read_text()
     # The helper's trials sleep 10 s: it is killed inside one it started moments before.
