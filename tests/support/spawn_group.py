@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -117,13 +118,18 @@ class WarmGroup:
         store = os.path.join(self.directory.name, f"store{self.calls}")
         for tasks in self.tasks:
             tasks.put((fn, args, store))
-        values = {}
+        values, deadline = {}, time.monotonic() + timeout_s
         while len(values) < self.world_size:
             try:
-                rank, ok, value = self.answers.get(timeout=timeout_s)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self.processes) if not p.is_alive()]
-                raise RuntimeError(f"ranks gave no answer in {timeout_s:.0f} s (dead ranks: {dead})") from None
+                rank, ok, value = self.answers.get(timeout=1.0)
+            except queue.Empty:  # a rank that died (a crash, a signal) never answers: look each second
+                dead = [r for r, p in enumerate(self.processes) if not p.is_alive() and r not in values]
+                if dead and self.answers.empty():
+                    time.sleep(1.0)  # a rank that raised answers, then exits: let its answer land first
+                if self.answers.empty() and (dead or time.monotonic() > deadline):
+                    raise RuntimeError(f"ranks {dead or 'all'} gave no answer "
+                                       f"({'died' if dead else f'{timeout_s:.0f} s'})") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} raised:\n{value}")
             values[rank] = value
