@@ -42,7 +42,8 @@ def test_a_pooled_trial_gives_a_fresh_trials_losses_and_peak_whatever_ran_before
         # within 0.5%: seen equal to 16 bytes of 7.9 MB (a fresh process makes a few small
         # one-time allocations during its first measured steps)
         assert pooled["peak_mem_bytes"] == pytest.approx(fresh["peak_mem_bytes"], rel=0.005), measured
-        assert pooled["duration_s"] < fresh["duration_s"], measured
+        # How much sooner a pooled trial ends is benchmarks/trial_overhead.py's to measure: on
+        # a loaded machine one trial's duration says little (a pooled one was seen 2 s slower).
     assert pids(pool) == warm and pool.trials_run == 6  # the same processes, torch already imported
     assert (tmp_path / "stdout.log").read_text().count("AUTOTUNE_RESULT") == 1
 
