@@ -18,6 +18,8 @@ from typing import NamedTuple
 import numpy as np
 from torch.autograd import DeviceType
 
+from autotune.runtime.torch_compat import ProfilerEventType
+
 STEP_EVENT = "autotune.step"
 GLOO_PREFIX = "gloo:"
 GLOO_POINT_TO_POINT = ("gloo:send", "gloo:recv")
@@ -34,7 +36,7 @@ class Event(NamedTuple):
     """One event, as tests write them and as iterating a table yields them."""
 
     name: str
-    kind: str  # GPU events: the profiler's activity type (kernel, gpu_memcpy, ...); CPU: cpu_op, user_annotation
+    kind: str  # GPU profiles: the activity type (kernel, gpu_memcpy, cpu_op, ...); CPU profiles: "cpu"
     device: str  # "cpu" or "cuda"
     thread: int
     start_ns: int
@@ -129,7 +131,8 @@ class _Codes(dict):
 
 def read_events(result, with_device: bool) -> EventTable:
     """Every GPU event (when `with_device`: the profile recorded a GPU) and the CPU events
-    the analysis reads, from the profiler's result."""
+    the analysis reads, from the profiler's result. A CPU profile is read from its event
+    tree instead (read_cpu_profile), which holds its allocations too."""
     with paused_gc():
         events = result.events()
         all_names = [e.name() for e in events]
@@ -146,6 +149,43 @@ def read_events(result, with_device: bool) -> EventTable:
         times = times.reshape(-1, 3)
         return EventTable(names=names.values, code=codes[keep], kind_names=kinds.values, kind=kind, cuda=cuda[keep],
                           thread=times[:, 2], start=times[:, 0], end=times[:, 1])
+
+
+def read_cpu_profile(result) -> tuple[EventTable, list]:
+    """A CPU profile's events the analysis reads, and its allocation records (the event
+    tree's Allocation nodes, for runtime/memory.py), in one walk of the profiler's event
+    tree.
+
+    Why the tree: a CPU trial's peak memory needs the allocations' fields (the allocator's
+    total, the address), which only the tree's nodes carry. Reading the operators from the
+    same walk, instead of again from `result.events()`, halves the read-back (on tiny at
+    tp=2, 169,402 operators and 45,144 allocations a rank: 3.5 s + 3.2 s read in two
+    passes). The tree holds the same CPU operators as `result.events()`, with the same
+    times and threads (tests/test_profiling.py compares the figures with a reading of
+    `result.events()`). Their kind is "cpu": nothing reads a CPU event's kind."""
+    allocation = ProfilerEventType.Allocation
+    with paused_gc():
+        stack = list(result.experimental_event_tree())
+        pop, extend = stack.pop, stack.extend
+        allocations, operators = [], []
+        keep_allocation, keep_operator = allocations.append, operators.append
+        while stack:  # every node once (10^5 a step): one tag read, then its children
+            node = pop()
+            if node.tag == allocation:
+                keep_allocation(node)
+            else:
+                keep_operator(node)
+                extend(node.children)
+        names = _Codes()
+        codes = np.array([names[node.name] for node in operators], dtype=np.int64)
+        read = np.array([name.startswith(CPU_PREFIXES) for name in names.values], dtype=bool)
+        keep = np.flatnonzero(read[codes]) if len(codes) else np.zeros(0, dtype=np.int64)
+        times = np.array([(node.start_time_ns, node.end_time_ns, node.start_tid)
+                          for node in map(operators.__getitem__, keep.tolist())], dtype=np.int64).reshape(-1, 3)
+        table = EventTable(names=names.values, code=codes[keep], kind_names=["cpu"],
+                           kind=np.zeros(len(keep), dtype=np.int64), cuda=np.zeros(len(keep), dtype=bool),
+                           thread=times[:, 2], start=times[:, 0], end=times[:, 1])
+    return table, allocations
 
 
 class paused_gc:

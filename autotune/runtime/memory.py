@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from autotune.runtime.event_table import paused_gc, union_arrays
-from autotune.runtime.torch_compat import ProfilerEventType, is_traceable_wrapper_subclass
+from autotune.runtime.torch_compat import is_traceable_wrapper_subclass
 
 SCRATCH_OPERATORS = "c10d::"  # a backend's collective: what it allocates inside is its own
 
@@ -64,27 +64,19 @@ class MemoryEvent(NamedTuple):
     scratch: bool  # allocated by a communication backend for itself
 
 
-def memory_events(result, events) -> list[MemoryEvent]:
+def memory_events(allocations: list, events) -> list[MemoryEvent]:
     """The CPU allocation events of a profile, in time order, each marked as a backend's
     scratch when it happens on a gloo worker thread or inside a `c10d::` operator.
 
-    `events`: the profile's EventTable (runtime/event_table.py), whose `c10d::` operators
-    say, by their spans on each thread, which allocations they made: an allocation is a
-    child of the operator it happened in, on the same thread, inside its span."""
-    with paused_gc():
-        nodes, stack = [], list(result.experimental_event_tree())
-        pop, extend, keep, allocation = stack.pop, stack.extend, nodes.append, ProfilerEventType.Allocation
-        while stack:  # every node once, reading only its tag (10^5 nodes a step)
-            node = pop()
-            if node.tag == allocation:
-                keep(node)
-            else:
-                extend(node.children)
-        # A CPU trial's profile: every allocation is on the CPU (a GPU's are not read here).
-        fields = [node.extra_fields for node in nodes]
-        allocations = list(zip([node.start_time_ns for node in nodes], [f.total_allocated for f in fields],
+    `allocations`: the profile's allocation nodes, `events` its EventTable, as
+    event_table.read_cpu_profile reads them; the `c10d::` operators say, by their spans on
+    each thread, which allocations they made: an allocation is a child of the operator it
+    happened in, on the same thread, inside its span."""
+    with paused_gc():  # a CPU trial's profile: every allocation is on the CPU (a GPU's are not read here)
+        fields = [node.extra_fields for node in allocations]
+        allocations = list(zip([node.start_time_ns for node in allocations], [f.total_allocated for f in fields],
                                [f.alloc_size for f in fields], [f.ptr for f in fields],
-                               [node.start_tid for node in nodes]))
+                               [node.start_tid for node in allocations]))
     if not allocations:
         return []
     times = np.array([a[0] for a in allocations], dtype=np.int64)
@@ -100,8 +92,9 @@ def memory_events(result, events) -> list[MemoryEvent]:
         span = np.searchsorted(starts, times[on_thread], side="right") - 1
         inside = (span >= 0) & (times[on_thread] <= ends[np.maximum(span, 0)])
         scratch[on_thread[inside]] = True
-    marked = [MemoryEvent(a[0], a[1], a[2], a[3], bool(flag)) for a, flag in zip(allocations, scratch.tolist())]
-    marked.sort()
+    with paused_gc():
+        marked = [MemoryEvent(a[0], a[1], a[2], a[3], bool(flag)) for a, flag in zip(allocations, scratch.tolist())]
+        marked.sort()
     return marked
 
 
@@ -122,8 +115,10 @@ def levels(events: list[MemoryEvent], start_level: int) -> list[tuple[int, int]]
     for allocated, freed in freed_at.items():
         change[allocated] -= events[allocated].size
         change[freed] += events[allocated].size
-    scratch_bytes = np.cumsum(change[:-1]).tolist()
-    return [(e.time_ns, start_level + e.total - base + scratch) for e, scratch in zip(events, scratch_bytes)]
+    totals = np.fromiter((e.total for e in events), dtype=np.int64, count=len(events))
+    live = start_level + totals - base + np.cumsum(change[:-1])
+    with paused_gc():  # 10^5 tuples: the collector's passes over the profile's objects would cost more
+        return list(zip([e.time_ns for e in events], live.tolist()))
 
 
 def scratch_lifetimes(events: list[MemoryEvent]) -> dict[int, int]:

@@ -41,6 +41,7 @@ from autotune.runtime.event_table import (
     Event,
     EventTable,
     Interval,
+    read_cpu_profile,
     read_events,
     union_arrays,
 )
@@ -278,11 +279,12 @@ class StepProfiler:
         if self._failing:
             return
         result = prof.profiler.kineto_results
-        self.events = read_events(result, with_device=self.device.type == "cuda")
         if self.device.type == "cuda":
+            self.events = read_events(result, with_device=True)
             peaks, resident, source = self._cuda_step_peaks, self._resident, "allocator statistics"
         else:
-            memory = memory_events(result, self.events)
+            self.events, allocations = read_cpu_profile(result)
+            memory = memory_events(allocations, self.events)
             resident = self._resident
             if self.allocator_tracked and memory:
                 resident = memory[0].total - memory[0].size
