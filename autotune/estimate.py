@@ -7,8 +7,9 @@ candidates, and answers "what if" for clusters the user does not have. Pure Pyth
 It models what our runtime does, not a generic framework: estimate_memory.py says
 which runtime behaviour each memory term mirrors, estimate_time.py the FLOP and
 communication accounting and its overlap assumptions. This module assembles them,
-fits them to measured trials (`calibrate`) and lists every layout of a space
-(`every_layout`) for pricing and ranking (`rank_estimates`).
+fits them to measured trials (`calibrate`), lists every layout of a space
+(`every_layout`), prices the listing (`price_every_layout`, which counts without building
+the layouts whose state alone is over the budget) and ranks it (`rank_estimates`).
 """
 
 from __future__ import annotations
