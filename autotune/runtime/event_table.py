@@ -129,18 +129,17 @@ class _Codes(dict):
         return list(self.keys())
 
 
-def read_events(result, with_device: bool) -> EventTable:
-    """Every GPU event (when `with_device`: the profile recorded a GPU) and the CPU events
-    the analysis reads, from the profiler's result. A CPU profile is read from its event
-    tree instead (read_cpu_profile), which holds its allocations too."""
+def read_events(result) -> EventTable:
+    """A GPU profile's events: every GPU event and the CPU events the analysis reads. A
+    CPU profile is read from its event tree instead (read_cpu_profile), which holds its
+    allocations too."""
     with paused_gc():
         events = result.events()
         all_names = [e.name() for e in events]
-        devices = [e.device_type() == DeviceType.CUDA for e in events] if with_device else None
         names = _Codes()
         codes = np.array([names[name] for name in all_names], dtype=np.int64)
         read_on_cpu = np.array([name.startswith(CPU_PREFIXES) for name in names.values], dtype=bool)
-        cuda = np.array(devices, dtype=bool) if devices is not None else np.zeros(len(events), dtype=bool)
+        cuda = np.array([e.device_type() == DeviceType.CUDA for e in events], dtype=bool)
         keep = np.flatnonzero(cuda | read_on_cpu[codes])
         kept = [events[i] for i in keep]
         kinds = _Codes()

@@ -64,19 +64,19 @@ class MemoryEvent(NamedTuple):
     scratch: bool  # allocated by a communication backend for itself
 
 
-def memory_events(allocations: list, events) -> list[MemoryEvent]:
+def memory_events(nodes: list, events) -> list[MemoryEvent]:
     """The CPU allocation events of a profile, in time order, each marked as a backend's
     scratch when it happens on a gloo worker thread or inside a `c10d::` operator.
 
-    `allocations`: the profile's allocation nodes, `events` its EventTable, as
+    `nodes`: the profile's allocation nodes, `events` its EventTable, as
     event_table.read_cpu_profile reads them; the `c10d::` operators say, by their spans on
     each thread, which allocations they made: an allocation is a child of the operator it
     happened in, on the same thread, inside its span."""
     with paused_gc():  # a CPU trial's profile: every allocation is on the CPU (a GPU's are not read here)
-        fields = [node.extra_fields for node in allocations]
-        allocations = list(zip([node.start_time_ns for node in allocations], [f.total_allocated for f in fields],
+        fields = [node.extra_fields for node in nodes]
+        allocations = list(zip([node.start_time_ns for node in nodes], [f.total_allocated for f in fields],
                                [f.alloc_size for f in fields], [f.ptr for f in fields],
-                               [node.start_tid for node in allocations]))
+                               [node.start_tid for node in nodes]))
     if not allocations:
         return []
     times = np.array([a[0] for a in allocations], dtype=np.int64)

@@ -280,7 +280,7 @@ class StepProfiler:
             return
         result = prof.profiler.kineto_results
         if self.device.type == "cuda":
-            self.events = read_events(result, with_device=True)
+            self.events = read_events(result)
             peaks, resident, source = self._cuda_step_peaks, self._resident, "allocator statistics"
         else:
             self.events, allocations = read_cpu_profile(result)
