@@ -46,6 +46,18 @@ def test_peak_flops_sources_in_order():
     assert source.startswith("calibration: 1024x1024 float32 GEMM") and 1e8 < flops < 1e13
 
 
+def test_calibration_grows_its_gemm_only_while_the_next_size_fits_the_time_budget(monkeypatch):
+    """8x the FLOPs a doubling: a size grows while 8 x its GEMM's time is within the budget."""
+    from autotune.runtime import peak_flops as module
+
+    cpu = torch.device("cpu")
+    for per_gemm_at_256, expected in ((1e-4, 1024), (0.02, 512), (0.2, 256)):
+        monkeypatch.setattr(module, "gemm_seconds", lambda device, dtype, n, t=per_gemm_at_256: t * (n / 256) ** 3)
+        assert module.calibration_size(cpu, torch.bfloat16) == expected, per_gemm_at_256
+    monkeypatch.setattr(module, "gemm_seconds", lambda device, dtype, n: 0.0)
+    assert module.calibration_size(cpu, torch.float32) == module.CALIBRATION_SIZE["cpu"]  # never past the cap
+
+
 def test_calibration_measures_a_gemm_rate_that_agrees_with_timing_it():
     import time
     n = 256

@@ -4,6 +4,13 @@ In order: `--peak-tflops`; the `--hardware` preset's peak_tflops; on CUDA the pr
 matching the device name; otherwise a calibration GEMM timed on this rank. Nothing is
 cached across trials: a calibration takes a fraction of a second, and a cached number
 would go stale when the machine's load changes.
+
+The GEMM's size is bounded by its time as well as by CALIBRATION_SIZE: it starts at
+CALIBRATION_START and doubles while the next size (8x the FLOPs) is expected to take
+under CALIBRATION_BUDGET_S. A CPU without bf16 matrix units multiplies 1024x1024 bf16
+in about 2.6 s against 0.04 s in fp32 (50 GFLOP/s against 0.8 on one core), so a fixed
+1024 cost every bf16, fp16 and fp8 trial on the CPU some 10 s of calibration; bounded,
+it costs a fraction of a second and the rate is measured where the machine spends it.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import torch
 from autotune.config import hardware_for_device_name, load_hardware
 from autotune.runtime.profiling import synchronize
 
-CALIBRATION_SIZE = {"cpu": 1024, "cuda": 8192}
+CALIBRATION_SIZE = {"cpu": 1024, "cuda": 8192}  # the largest GEMM calibrated on each device
+CALIBRATION_START = 256
+CALIBRATION_BUDGET_S = 0.25  # the most one calibration GEMM of a grown size is expected to take
 CALIBRATION_REPEATS = 3
 
 
@@ -33,9 +42,29 @@ def peak_flops(peak_tflops: float | None, hardware: str | None, device: torch.de
         preset = hardware_for_device_name(name)
         if preset is not None:
             return preset.peak_tflops * 1e12, f"hardware preset {preset.name} (device {name})"
-    n = CALIBRATION_SIZE[device.type]
+    n = calibration_size(device, dtype)
     return gemm_flops(device, dtype, n), f"calibration: {n}x{n} {str(dtype).removeprefix('torch.')} GEMM, " \
                                         f"best of {CALIBRATION_REPEATS}"
+
+
+def calibration_size(device: torch.device, dtype: torch.dtype) -> int:
+    """The GEMM size to calibrate with: from CALIBRATION_START, doubled while 8x the time of
+    one GEMM at the current size stays under CALIBRATION_BUDGET_S, up to CALIBRATION_SIZE."""
+    n, largest = CALIBRATION_START, CALIBRATION_SIZE[device.type]
+    while n < largest and 8 * gemm_seconds(device, dtype, n) <= CALIBRATION_BUDGET_S:
+        n *= 2
+    return n
+
+
+def gemm_seconds(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """Wall time of one n x n matmul, after an untimed one that pays for initialisation."""
+    a = torch.ones(n, n, device=device, dtype=dtype)
+    a @ a
+    synchronize(device)
+    start = time.perf_counter()
+    a @ a
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = CALIBRATION_REPEATS) -> float:
