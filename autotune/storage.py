@@ -115,12 +115,39 @@ def open_storage(url: str, heartbeat_s: int | None = None, stale_callback=None) 
                 return JournalHeartbeatStorage(backend, **heartbeat)
             return JournalStorage(backend)
         engine_kwargs = {"pool_pre_ping": True} if how == "postgresql" else {}
-        with optuna_quiet():
+        with optuna_quiet(), schema_lock(url):
             return RDBStorage(driver_url(url), engine_kwargs=engine_kwargs, **heartbeat)
     except UsageError:
         raise
     except Exception as e:  # the driver's own words, first line, without the password
         raise UsageError(f"--storage {redact(url)}: cannot open it ({one_line(e, url)})") from None
+
+
+# Any fixed 64-bit key: advisory locks are per database, and the claim's keys are hashes
+# of "autotune-claim:<study>", so they do not meet this one.
+SCHEMA_LOCK_KEY = int.from_bytes(hashlib.blake2b(b"autotune-schema", digest_size=8).digest(), "big", signed=True)
+
+
+@contextlib.contextmanager
+def schema_lock(url: str):
+    """On PostgreSQL, one process at a time opens the storage. RDBStorage creates Optuna's
+    tables when they are missing, and two workers started together on a fresh database
+    both create them: the second fails on PostgreSQL's catalogue (duplicate key in
+    pg_type). Under the lock the second finds the tables made. SQLite serialises writers
+    itself; the journal has no schema."""
+    if kind(url) != "postgresql":
+        yield
+        return
+    engine = sqlalchemy.create_engine(driver_url(url), poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            try:
+                yield
+            finally:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": SCHEMA_LOCK_KEY})
+    finally:
+        engine.dispose()
 
 
 def one_line(error: BaseException, url: str) -> str:

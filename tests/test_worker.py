@@ -173,6 +173,31 @@ def worker(*args):
                           timeout=120)
 
 
+def test_workers_started_together_on_a_fresh_database_all_open_it(postgres_db):
+    """Optuna creates its tables on first open; eight openers released at once on an empty
+    PostgreSQL database (threads: the race is in the server's catalogue, not in Python)
+    each get a storage. Without the schema lock some fail with a duplicate key in
+    pg_type, as a worker did when started beside its controller."""
+    import threading
+
+    url, openers = postgres_db[1], 8
+    barrier, errors = threading.Barrier(openers), []
+
+    def open_together():
+        barrier.wait()
+        try:
+            open_storage(url)
+        except Exception as e:  # each failure is the finding
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=open_together) for _ in range(openers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+
+
 def test_worker_bad_input_is_one_line_without_the_password(postgres_db, tmp_path):
     url = with_password(postgres_db[1], PASSWORD)
     encoded = url.split("://", 1)[1].split("@")[0].split(":", 1)[1]
