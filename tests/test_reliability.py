@@ -69,9 +69,11 @@ def test_a_slow_rank_completes_and_slows_the_step():
 
 
 def sweep(out_dir, *args, env=None, timeout=600):
-    # --max-comm-fraction 1: on a loaded CPU any layout may be comm-bound; these tests are about faults.
+    # --max-comm-fraction 1: on a loaded CPU any layout may be comm-bound; these tests are about
+    # faults, so the leaders are not re-measured (--confirm 0; test_study tests that).
     return cli("run", "--model", "tiny", "--gpus", "2", "--space", "quick", "--sampler", "grid", "--steps", "1",
-               "--warmup", "0", "--max-comm-fraction", "1", "--out", str(out_dir), *args, env=env, timeout=timeout)
+               "--warmup", "0", "--max-comm-fraction", "1", "--confirm", "0", "--out", str(out_dir), *args,
+               env=env, timeout=timeout)
 
 
 def test_a_crashing_trial_never_stops_the_study(tmp_path):
@@ -88,7 +90,8 @@ def test_a_crashing_trial_never_stops_the_study(tmp_path):
 def test_sigint_stops_cleanly_and_the_next_run_resumes(tmp_path):
     out_dir = tmp_path / "s"
     args = CLI + ["run", "--model", "tiny", "--gpus", "2", "--space", "quick", "--sampler", "grid",
-                  "--trials", "3", "--steps", "1", "--warmup", "0", "--max-comm-fraction", "1", "--out", str(out_dir)]
+                  "--trials", "3", "--steps", "1", "--warmup", "0", "--max-comm-fraction", "1", "--confirm", "0",
+                  "--out", str(out_dir)]
     # Trial 1 hangs, so the controller is surely inside a trial when Ctrl-C comes.
     env = {**os.environ, "AUTOTUNE_FAULT": "hang rank=0 step=0 match=dp=2,dp_shard=2,zero=0,mbs=2,"}
     # Ctrl-C as a terminal sends it, even where the test itself runs with SIGINT ignored
