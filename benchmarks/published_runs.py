@@ -388,8 +388,7 @@ def reading_lines() -> list[str]:
         "`--grad-dtype bf16` (a bf16 gradient buffer reduced in bf16, the optimizer step in fp32), 2 bytes a "
         "parameter below an fp32 buffer (up to 48 GiB on a 405B rank at TP4 PP8).",
         "- **torchtitan's reported peaks of December 2024 (tt-a) are above ours** for two reasons outside our "
-        "runtime: torchtitan's loss (train.py at the benchmark's commit, and still components/loss.py in 0.3.0) "
-        "upcasts the whole logits to fp32 "
+        "runtime: torchtitan's loss (train.py at the benchmark's commit) upcasts the whole logits to fp32 "
         "without chunking (at 32k tokens and a 128k vocabulary: 7.8 GiB bf16 logits, 15.7 GiB fp32 copy and "
         "15.7 GiB fp32 gradient, against the 15.7 GiB of logits and loss buffers we count); and under PP "
         "torch's PipelineStage turns FSDP gradient sync off until the last micro-batch, so FSDP2 accumulates "

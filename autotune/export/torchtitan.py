@@ -101,7 +101,6 @@ def torchtitan(t: Target) -> Export:
         add("dtype=fp32", "exact", {"training.mixed_precision_param": "float32"})
     else:
         maps.append(Mapping(f"dtype={m.dtype}", "none", "", "torchtitan selects it by its model converters"))
-    maps.append(loss_mapping(t))
     mode = AC_MODES[L.recompute]
     exact = L.recompute in ("none", "op") or (L.recompute == "full" and not L.recompute_layers)
     note = {"selective": "torchtitan's selective checkpointing is per-op (it keeps every other matmul output), "
@@ -113,28 +112,6 @@ def torchtitan(t: Target) -> Export:
     maps.append(Mapping(f"recompute={L.recompute}" + (f":{L.recompute_layers}" if L.recompute_layers else ""),
                         "exact" if exact else "approximate", f"activation-checkpoint:{mode}", note))
     return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args)
-
-
-# Bytes a logit at the loss's backward. torchtitan 0.3.0 (components/loss.py) takes the
-# cross-entropy of a micro-batch's whole logits cast to fp32: backward holds the fp32
-# log-softmax it saved, that output's gradient and the input's fp32 gradient at once.
-# Ours (autotune_kernels/loss.py) works through fp32 chunks: the logits and their gradient
-# in the compute dtype, plus one chunk.
-TORCHTITAN_LOSS_BYTES_PER_LOGIT = 12
-
-
-def loss_mapping(t: Target) -> Mapping:
-    """The loss, which no setting changes: how much more torchtitan holds for it, so that a
-    layout measured near the memory budget is not taken to fit there unseen."""
-    L, m = t.layout, t.model
-    logits = L.mbs * m.seq_len / L.cp * m.vocab_size / L.tp  # on each rank holding the head
-    ours = 2 * (4 if m.dtype == "fp32" else 2)  # logits and their gradient (fp8 and fp16 compute in 16 bits)
-    more = (TORCHTITAN_LOSS_BYTES_PER_LOGIT - ours) * logits
-    return Mapping("loss", "approximate", "",
-                   f"torchtitan takes the cross-entropy of the whole micro-batch's logits in fp32 where ours works "
-                   f"in fp32 chunks: at the loss's backward it holds about {more / 2**30:.1f} GiB more on each rank "
-                   f"holding the head ({TORCHTITAN_LOSS_BYTES_PER_LOGIT - ours} bytes x {logits:,.0f} logits), "
-                   "above the peak autotune measured or estimated")
 
 
 def _data_parallel(t: Target, add) -> None:
