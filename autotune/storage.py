@@ -1,4 +1,4 @@
-"""Where a study lives, and the one lock its workers share.
+"""Where a study lives, and the locks its workers share.
 
     sqlite:///PATH                          one machine (the default: study.db in --out)
     postgresql://USER:PASSWORD@HOST/DB      several machines, through psycopg2
@@ -133,8 +133,12 @@ def schema_lock(url: str):
     """On PostgreSQL, one process at a time opens the storage. RDBStorage creates Optuna's
     tables when they are missing, and two workers started together on a fresh database
     both create them: the second fails on PostgreSQL's catalogue (duplicate key in
-    pg_type). Under the lock the second finds the tables made. SQLite serialises writers
-    itself; the journal has no schema."""
+    pg_type). Under the lock the second finds the tables made. A SQLite study has one
+    controller (workers share PostgreSQL or a journal); the journal has no schema.
+
+    The lock is the session's: closing the connection (NullPool: really closed) releases it,
+    also when the server has dropped the session, so no unlock can fail over the storage's
+    own error. Not re-entrant: each call is a session of its own."""
     if kind(url) != "postgresql":
         yield
         return
@@ -142,10 +146,7 @@ def schema_lock(url: str):
     try:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
             connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
-            try:
-                yield
-            finally:
-                connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            yield
     finally:
         engine.dispose()
 

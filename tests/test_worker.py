@@ -181,21 +181,22 @@ def test_workers_started_together_on_a_fresh_database_all_open_it(postgres_db):
     import threading
 
     url, openers = postgres_db[1], 8
-    barrier, errors = threading.Barrier(openers), []
+    barrier, opened, errors = threading.Barrier(openers), [], []
 
     def open_together():
         barrier.wait()
         try:
-            open_storage(url)
+            opened.append(open_storage(url))
         except Exception as e:  # each failure is the finding
             errors.append(str(e))
 
-    threads = [threading.Thread(target=open_together) for _ in range(openers)]
+    threads = [threading.Thread(target=open_together, daemon=True) for _ in range(openers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert errors == []
+    assert not any(t.is_alive() for t in threads), "an opener still waits: the lock was never released"
+    assert errors == [] and len(opened) == openers
 
 
 def test_worker_bad_input_is_one_line_without_the_password(postgres_db, tmp_path):

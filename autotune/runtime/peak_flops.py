@@ -2,7 +2,7 @@
 
 In order: `--peak-tflops`; the `--hardware` preset's peak_tflops; on CUDA the preset
 matching the device name; otherwise a calibration GEMM timed on this rank. Nothing is
-cached across trials: a calibration takes a fraction of a second, and a cached number
+cached across trials: a calibration takes about a second at most, and a cached number
 would go stale when the machine's load changes.
 
 The GEMM's size is bounded by its time as well as by CALIBRATION_SIZE: it starts at
@@ -10,7 +10,8 @@ CALIBRATION_START and doubles while the next size (8x the FLOPs) is expected to 
 under CALIBRATION_BUDGET_S. A CPU without bf16 matrix units multiplies 1024x1024 bf16
 in about 2.6 s against 0.04 s in fp32 (50 GFLOP/s against 0.8 on one core), so a fixed
 1024 cost every bf16, fp16 and fp8 trial on the CPU some 10 s of calibration; bounded,
-it costs a fraction of a second and the rate is measured where the machine spends it.
+it costs at most about a second (the sizing GEMMs, then the timed ones) and the rate is
+measured where the machine spends it.
 """
 
 from __future__ import annotations
