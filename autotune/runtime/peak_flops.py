@@ -7,9 +7,10 @@ would go stale when the machine's load changes.
 
 The GEMM's size is bounded by its time as well as by CALIBRATION_SIZE: it starts at
 CALIBRATION_START and doubles while the next size (8x the FLOPs) is expected to take
-under CALIBRATION_BUDGET_S. A CPU without bf16 matrix units multiplies 1024x1024 bf16
-in about 2.6 s against 0.04 s in fp32 (50 GFLOP/s against 0.8 on one core), so a fixed
-1024 cost every bf16, fp16 and fp8 trial on the CPU some 10 s of calibration; bounded,
+under CALIBRATION_BUDGET_S. On one core, a CPU without bf16 instructions multiplies
+1024x1024 bf16 in about 2.6 s against 0.04 s in fp32 (0.8 GFLOP/s against 50), and one
+with them (avx512_bf16) still takes 2.2 s in fp16, so a fixed 1024 cost each such trial
+on the CPU some 9-10 s of calibration; bounded,
 it costs at most about a second (the sizing GEMMs, then the timed ones) and the rate is
 measured where the machine spends it.
 """
@@ -57,21 +58,10 @@ def calibration_size(device: torch.device, dtype: torch.dtype) -> int:
     return n
 
 
-def gemm_seconds(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """Wall time of one n x n matmul, after an untimed one that pays for initialisation."""
-    a = torch.ones(n, n, device=device, dtype=dtype)
-    a @ a
-    synchronize(device)
-    start = time.perf_counter()
-    a @ a
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = CALIBRATION_REPEATS) -> float:
-    """FLOP/s of the fastest of `repeats` n x n matmuls (2 n^3 FLOPs each), after one
-    untimed matmul that pays for library initialisation. It runs with the thread count the
-    trial runs with, on every rank at once, so on a shared CPU it measures each rank's share."""
+def gemm_seconds(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 1) -> float:
+    """Wall time of the fastest of `repeats` n x n matmuls, after one untimed matmul that
+    pays for library initialisation. It runs with the thread count the trial runs with, on
+    every rank at once, so on a shared CPU it measures each rank's share."""
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
@@ -83,4 +73,9 @@ def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    return best
+
+
+def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = CALIBRATION_REPEATS) -> float:
+    """FLOP/s of the fastest of `repeats` n x n matmuls: 2 n^3 FLOPs each."""
+    return 2 * n**3 / gemm_seconds(device, dtype, n, repeats)
