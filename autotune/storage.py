@@ -123,9 +123,14 @@ def open_storage(url: str, heartbeat_s: int | None = None, stale_callback=None) 
         raise UsageError(f"--storage {redact(url)}: cannot open it ({one_line(e, url)})") from None
 
 
-# Any fixed 64-bit key: advisory locks are per database, and the claim's keys are hashes
-# of "autotune-claim:<study>", so they do not meet this one.
-SCHEMA_LOCK_KEY = int.from_bytes(hashlib.blake2b(b"autotune-schema", digest_size=8).digest(), "big", signed=True)
+def advisory_key(name: str) -> int:
+    """A signed 64-bit PostgreSQL advisory-lock key for a lock's name (advisory locks are per
+    database: the schema's and each study's claim have names of their own)."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+SCHEMA_LOCK_KEY = advisory_key("autotune-schema")
 
 
 @contextlib.contextmanager
@@ -218,9 +223,8 @@ class Claim:
             self._connection = None
 
     def key(self) -> int:
-        """A signed 64-bit advisory-lock key of this study (advisory locks are per database)."""
-        digest = hashlib.blake2b(f"autotune-claim:{self.study_name}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big", signed=True)
+        """This study's advisory-lock key."""
+        return advisory_key(f"autotune-claim:{self.study_name}")
 
     def lock_path(self) -> str:
         """A hidden file next to the storage's file, so every worker that sees the storage

@@ -44,7 +44,7 @@ def test_peak_flops_sources_in_order():
     assert peak_flops(2.5, "h100-sxm", cpu, torch.float32) == (2.5e12, "--peak-tflops")
     assert peak_flops(None, "h100-sxm", cpu, torch.float32) == (989e12, "hardware preset h100-sxm")
     flops, source = peak_flops(None, "cpu", cpu, torch.float32)  # the cpu preset says: calibrate
-    assert re.match(r"calibration: \d+x\d+ float32 GEMM", source) and 1e8 < flops < 1e13  # its size: below
+    assert re.match(r"calibration: \d+x\d+ float32 GEMM", source) and 1e8 < flops < 1e13  # its size: the next test
 
 
 def test_calibration_grows_its_gemm_only_while_the_next_size_fits_the_time_budget(monkeypatch):

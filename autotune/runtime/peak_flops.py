@@ -10,9 +10,8 @@ CALIBRATION_START and doubles while the next size (8x the FLOPs) is expected to 
 under CALIBRATION_BUDGET_S. On one core, a CPU without bf16 instructions multiplies
 1024x1024 bf16 in about 2.6 s against 0.04 s in fp32 (0.8 GFLOP/s against 50), and one
 with them (avx512_bf16) still takes 2.2 s in fp16, so a fixed 1024 cost each such trial
-on the CPU some 9-10 s of calibration; bounded,
-it costs at most about a second (the sizing GEMMs, then the timed ones) and the rate is
-measured where the machine spends it.
+on the CPU some 9-10 s of calibration; bounded, it costs at most about a second (the
+sizing GEMMs, then the timed ones) and the rate is measured where the machine spends it.
 """
 
 from __future__ import annotations
