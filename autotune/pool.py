@@ -139,6 +139,8 @@ class RankPool:
                 return False, False
             if any(proc.poll() is not None for proc in self.procs):
                 time.sleep(0.5)  # let the others report what they saw before they are killed
+                for proc in self.procs:  # `any` stopped at the first exited: reap every one, so
+                    proc.poll()          # a rank that died is seen beside one that exited after its error
                 return False, True
             if time.monotonic() > deadline:
                 return True, False
