@@ -131,9 +131,26 @@ class WarmGroup:
                                        f"({'died' if dead else f'{timeout_s:.0f} s'})") from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} raised:\n{value}")
+                raise RuntimeError(self._failures(rank, value))
             values[rank] = value
         return [values[r] for r in range(self.world_size)]
+
+    def _failures(self, rank: int, traceback_text: str, wait_s: float = 3.0) -> str:
+        """What every failed rank said: the first to answer is often a victim (its peer's
+        socket closed under it), so the others' answers, and the exit codes of ranks that
+        died, are waited for a few seconds and reported with it."""
+        said, deadline = {rank: traceback_text}, time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(p.is_alive() for r, p in enumerate(self.processes)
+                                                  if r not in said):
+            try:
+                other, ok, value = self.answers.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if not ok:
+                said[other] = value
+        died = {r: p.exitcode for r, p in enumerate(self.processes) if not p.is_alive() and r not in said}
+        text = "\n".join(f"rank {r} raised:\n{said[r]}" for r in sorted(said))
+        return text + "".join(f"\nrank {r} died (exit code {code})" for r, code in sorted(died.items()))
 
     def stop(self) -> None:
         """End the ranks' loops and wait for them (close kills)."""
