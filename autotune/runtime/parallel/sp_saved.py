@@ -90,10 +90,11 @@ class ShardSavingHalf:
         self.shard = args[0]
 
     def forward(self, gathered: torch.Tensor, *args, **kwargs):
+        """`gathered`: the whole sequence, a replicated DTensor (a plain tensor for MLA)."""
         shard, self.shard = self.shard, None
-        if not torch.is_grad_enabled() or not gathered.is_contiguous():
+        if not torch.is_grad_enabled() or not local_tensor(gathered).is_contiguous():
             return self.inner_forward(gathered, *args, **kwargs)
-        record = _Gathered(shard, gathered, self.mesh)
+        record = _Gathered(shard, local_tensor(gathered), self.mesh)
 
         def pack(saved: torch.Tensor):  # autograd keeps the hooks with what they saved: no tensor in here
             local = local_tensor(saved)

@@ -93,17 +93,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             })
             if block.mlp.gate is not None:  # gated kinds only
                 plan["mlp.gate"] = ColwiseParallel()
+        # Attention's and a dense MLP's input enters as one replicated DTensor that wq, wk, wv
+        # (gate, up) share: their input gradients are partial sums that autograd adds as
+        # DTensors, and the input's own backward reduces them once per half (a reduce-scatter
+        # onto the sequence shards under SP, an all-reduce without). A plain tensor there
+        # would let each column-parallel linear all-reduce its own input gradient: three
+        # all-reduces for attention, two for a gated MLP, where Megatron-LM has one.
+        whole = {"input_layouts": (stream,), "desired_input_layouts": (Replicate(),)}
+        if not isinstance(attention, MLAttention):  # MLA's whole down projections take plain tensors
+            plan["attention"] = PrepareModuleInput(**whole, use_local_output=False)
+        if dense:
+            plan["mlp"] = PrepareModuleInput(**whole, use_local_output=False)
+        elif sequence_parallel:
+            plan["mlp"] = PrepareModuleInputOutput(
+                **whole, use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                use_local_output=True)
         if sequence_parallel:
             # The norms hand on sequence shards; attention and MLP need whole sequences.
-            whole = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
-            plan.update({
-                "attention_norm": SequenceParallel(),
-                "mlp_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(**whole, use_local_output=True),
-                "mlp": PrepareModuleInput(**whole, use_local_output=True) if dense else PrepareModuleInputOutput(
-                    **whole, use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-                    use_local_output=True),
-            })
+            plan.update({"attention_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+            if isinstance(attention, MLAttention):
+                plan["attention"] = PrepareModuleInput(**whole, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
         if isinstance(attention, MLAttention):
             attention.tp_mesh = tp_mesh
