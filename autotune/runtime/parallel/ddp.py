@@ -23,6 +23,10 @@ more than this), so it is built here, small:
   data degree dp x cp (expert-parallel experts are reduced over edp = dp x cp / ep, the
   ranks that hold the same experts, and divided by dp x cp too: their gradient on an ep
   rank already sums the tokens of all ep ranks).
+- A gradient that is a partial sum over tp (the norms' under sequence parallel, QK-norm's)
+  is added as it is and summed over tp once per step, all of them in one all-reduce, as
+  Megatron-LM's finalize_model_grads does (redistributed at each micro-batch it costs 2
+  per layer and micro-batch).
 - zero 0 all-reduces; zero 1 reduce-scatters (NCCL; gloo has no reduce-scatter and
   all-reduces), each rank keeping 1/N of each bucket, padded to divide by N.
 - The optimizer: torch's fused AdamW over fp32 masters, the whole buffer's parameters at
@@ -90,6 +94,7 @@ class ParamGroup:
     offsets: list[int] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
     grads: torch.Tensor | None = None
+    partial: set[int] = field(default_factory=set)  # parameters whose gradients are partial sums over tp
 
 
 class DataParallel:
@@ -202,7 +207,7 @@ class DataParallel:
         def accumulate(param: nn.Parameter) -> None:
             owner = me()
             group = owner.groups[g]
-            group.grads[start:start + numel].add_(local_gradient(param).reshape(-1))
+            group.grads[start:start + numel].add_(owner._local_part(group, i, param).reshape(-1))
             param.grad = None
             if owner.syncing:
                 bucket = group.buckets[b]
@@ -232,6 +237,26 @@ class DataParallel:
         else:
             bucket.work = dist.all_reduce(grads, group=group.reduce_mesh.get_group(), async_op=True)
 
+    def _local_part(self, group: ParamGroup, i: int, param: nn.Parameter) -> torch.Tensor:
+        """What the buffer adds of a gradient: its local part, a partial sum as it is (the
+        norms' under sequence parallel, QK-norm's under tp), summed over tp once per step
+        in finish_backward as Megatron does, not once per micro-batch."""
+        if is_partial_sum(param):
+            group.partial.add(i)
+            return param.grad.to_local()
+        return local_gradient(param)
+
+    def _sum_partial_gradients(self, group: ParamGroup) -> None:
+        """One all-reduce over tp of every partial-sum gradient of the group, as one flat tensor."""
+        if not group.partial:
+            return
+        indices = sorted(group.partial)  # the same on every tp rank: they train the same parameters
+        slices = [group.grads[group.offsets[i]:group.offsets[i] + local(group.params[i]).numel()] for i in indices]
+        flat = torch.cat(slices)
+        dist.all_reduce(flat, group=group.params[indices[0]].device_mesh.get_group())
+        for piece, summed in zip(slices, flat.split([piece.numel() for piece in slices])):
+            piece.copy_(summed)
+
     @torch.no_grad()
     def fold_gradients(self) -> None:
         """Take gradients written into `.grad` past the hook (the weight steps of torch's split
@@ -240,7 +265,8 @@ class DataParallel:
             for i, param in enumerate(group.params):
                 if param.grad is not None:
                     numel = local(param).numel()
-                    group.grads[group.offsets[i]:group.offsets[i] + numel].add_(local_gradient(param).reshape(-1))
+                    group.grads[group.offsets[i]:group.offsets[i] + numel].add_(
+                        self._local_part(group, i, param).reshape(-1))
                     param.grad = None
 
     @torch.no_grad()
@@ -255,6 +281,7 @@ class DataParallel:
             for bucket in group.buckets:
                 bucket.work.wait()
                 bucket.work = None
+            self._sum_partial_gradients(group)  # sums commute: over dp first, then over tp
             group.grads.div_(group.divisor)
         if self.grad_dtype != torch.float32:
             self.piece_grads = [piece.float() for piece in self._buffer_pieces()]
@@ -329,6 +356,14 @@ class DataParallel:
                 lo = group.offsets[i]
                 flat = local(group.params[i]).detach().view(-1)
                 flat.copy_(everyone[lo - bucket.start:lo - bucket.start + flat.numel()])
+
+
+def is_partial_sum(param: nn.Parameter) -> bool:
+    """A replicated parameter on a one-dimensional (tp) mesh whose gradient is a partial sum
+    over that mesh: each rank's covers its own tokens or heads."""
+    grad = param.grad
+    return isinstance(grad, DTensor) and param.device_mesh.ndim == 1 and grad.placements[0].is_partial() \
+        and param.placements[0].is_replicate()
 
 
 def local_gradient(param: nn.Parameter) -> torch.Tensor:
