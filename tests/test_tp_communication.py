@@ -18,6 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autotune.config import load_model
 from autotune.layout import resolve
+from autotune.runtime.torch_compat import forget_process_groups
 from support.step_probe import step_batches, trainer_for
 
 TINY = load_model("tiny")  # 8 layers, global batch 16: mbs 16 at tp=2 is one micro-batch
@@ -48,6 +49,7 @@ def fake_pair():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield
     dist.destroy_process_group()
+    forget_process_groups()  # no later test in this process meets a mesh of the fake group
 
 
 def test_each_half_reduces_its_input_gradient_once():

@@ -148,6 +148,13 @@ class WarmGroup:
                 continue
             if not ok:
                 said[other] = value
+        while True:  # a rank that answered and then exited leaves its answer behind
+            try:
+                other, ok, value = self.answers.get_nowait()
+            except queue.Empty:
+                break
+            if not ok:
+                said.setdefault(other, value)
         died = {r: p.exitcode for r, p in enumerate(self.processes) if not p.is_alive() and r not in said}
         text = "\n".join(f"rank {r} raised:\n{said[r]}" for r in sorted(said))
         return text + "".join(f"\nrank {r} died (exit code {code})" for r, code in sorted(died.items()))

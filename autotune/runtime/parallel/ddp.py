@@ -362,8 +362,8 @@ def is_partial_sum(param: nn.Parameter) -> bool:
     """A replicated parameter on a one-dimensional (tp) mesh whose gradient is a partial sum
     over that mesh: each rank's covers its own tokens or heads."""
     grad = param.grad
-    return isinstance(grad, DTensor) and param.device_mesh.ndim == 1 and grad.placements[0].is_partial() \
-        and param.placements[0].is_replicate()
+    return isinstance(grad, DTensor) and param.device_mesh.mesh_dim_names == ("tp",) \
+        and grad.placements[0].is_partial() and param.placements[0].is_replicate()
 
 
 def local_gradient(param: nn.Parameter) -> torch.Tensor:
