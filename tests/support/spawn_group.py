@@ -1,6 +1,8 @@
 """Run many layouts in one group of real gloo processes, for the numerics tests.
 
-Starting a process costs seconds (importing torch), so the layouts run in warm ranks:
+Starting a process costs seconds (importing torch and autotune: 3.6 s of CPU each), so
+every rank is forked from a server process that has imported them once (multiprocessing's
+forkserver), and the layouts run in warm ranks:
 `world_size` spawned processes kept from test to test (one group per world size), each
 call forming a new gloo process group over a fresh FileStore and running every layout
 it compares through the same `autotune.runtime.trial.run` that `autotune trial` uses, as
@@ -69,9 +71,12 @@ def _run_specs(specs: list[str], with_params: bool) -> list[dict]:
     return results
 
 
-def _serve(rank: int, world_size: int, tasks, answers) -> None:
+def _serve(rank: int, world_size: int, tasks, answers, environment: dict) -> None:
     """A warm rank: for each (fn, args, store path) on its queue, join a new gloo group, call
-    fn(*args), answer (rank, True, value) or (rank, False, traceback), leave the group."""
+    fn(*args), answer (rank, True, value) or (rank, False, traceback), leave the group.
+
+    `environment`: the test's, as a spawned process would inherit it (a forked one has the
+    fork server's, from when it started)."""
     import gc
 
     import torch
@@ -79,8 +84,9 @@ def _serve(rank: int, world_size: int, tasks, answers) -> None:
 
     from autotune.runtime.torch_compat import forget_process_groups
 
+    os.environ.clear()
+    os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     while (task := tasks.get()) is not None:
         fn, args, store_path = task
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
@@ -100,12 +106,17 @@ class WarmGroup:
     """`world_size` spawned ranks that run one call after another (_serve)."""
 
     def __init__(self, world_size: int):
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        # What every rank imports, imported once by the server the ranks are forked from
+        # (before it starts: the first group of the test run starts it). The server runs
+        # nothing, so a forked rank holds no tensor and no thread a spawned one would not.
+        context.set_forkserver_preload(["autotune.runtime.trial", "support.spawn_group"])
         self.world_size = world_size
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.answers = context.Queue()
-        self.processes = [context.Process(target=_serve, args=(rank, world_size, self.tasks[rank], self.answers),
-                                          daemon=True) for rank in range(world_size)]
+        self.processes = [context.Process(target=_serve, daemon=True,
+                                          args=(rank, world_size, self.tasks[rank], self.answers, dict(os.environ)))
+                          for rank in range(world_size)]
         for process in self.processes:
             process.start()
         self.directory = tempfile.TemporaryDirectory()
