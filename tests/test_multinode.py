@@ -21,7 +21,7 @@ from support.numerics import assert_same_losses
 from support.processes import gone
 from support.spawn_group import run_layouts
 
-LAYOUT = "tp=2,pp=1,cp=1,ep=1,dp=2,dp_shard=2,zero=3,mbs=1,schedule=1f1b,vpp=1,recompute=none,sp=1"
+LAYOUT = "tp=2,pp=1,cp=1,ep=1,dp=2,dp_shard=2,zero=3,mbs=4,schedule=1f1b,vpp=1,recompute=none,sp=1"
 TWO_LOCAL_NODES = Launcher("torchrun", gpus_per_node=2, hosts=("localhost", "localhost"))
 
 

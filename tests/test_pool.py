@@ -13,8 +13,8 @@ from autotune.trialspec import TrialSpec
 TINY = dataclasses.asdict(load_model("tiny"))
 
 
-def spec(layout: str) -> TrialSpec:
-    return TrialSpec(model=TINY, layout=layout, steps=2, warmup=1)
+def spec(layout: str, steps: int = 2, warmup: int = 1) -> TrialSpec:
+    return TrialSpec(model=TINY, layout=layout, steps=steps, warmup=warmup)
 
 
 @pytest.fixture
@@ -30,11 +30,13 @@ def pids(pool: RankPool) -> list[int]:
 
 
 def test_a_pooled_trial_gives_a_fresh_trials_losses_and_peak_whatever_ran_before(pool, tmp_path):
-    for before in ("tp=2,sp=1", "pp=2,schedule=zbv", "cp=2", "dp=2,zero=3"):  # every kind of group and hook
-        record = pool.run(spec(before), 2, 300, tmp_path)
+    # Every kind of group and hook, one profiled step each (4 micro-batches: at mbs=1 a tp=2
+    # step of tiny takes 1.8 s, most of it in its 16 micro-batches' collectives).
+    for before in ("tp=2,sp=1,mbs=4", "pp=2,schedule=zbv,mbs=4", "cp=2,mbs=4", "dp=2,zero=3,mbs=4"):
+        record = pool.run(spec(before, steps=1, warmup=0), 2, 300, tmp_path)
         assert record["status"] == "complete", (before, record)
     warm = pids(pool)
-    for measured in ("dp=2,zero=1,mbs=2", "tp=2,sp=1,mbs=2"):  # each after all of those
+    for measured in ("dp=2,zero=1,mbs=2", "tp=2,sp=1,mbs=4"):  # each after all of those
         pooled = pool.run(spec(measured), 2, 300, tmp_path)
         fresh = run_trial(spec(measured), 2, 300)
         assert pooled["status"] == fresh["status"] == "complete", (pooled, fresh)

@@ -301,7 +301,8 @@ def test_columns_give_the_per_event_readings_figures_on_one_real_profile():
     from support.profile_reference import both_readings
     from support.spawn_group import run_on_ranks
 
-    ranks = run_on_ranks(2, both_readings, ["dp=2,zero=0", "dp=2,zero=3", "tp=2,sp=1"])
+    # 2 to 4 micro-batches a step: the per-event reading takes seconds per 10^5 events
+    ranks = run_on_ranks(2, both_readings, ["dp=2,zero=0,mbs=4", "dp=2,zero=3,mbs=4", "tp=2,sp=1,mbs=4"])
     for rank in ranks:
         for layout, reading in zip(("dp=2 zero=0", "zero=3", "tp=2 sp"), rank):
             columns, per_event = reading["columns"], reading["per_event"]

@@ -45,7 +45,7 @@ def test_each_fault_is_recorded_for_what_it_is(fault, status, reason, error):
 
 def test_a_hang_in_a_collective_times_out_and_leaves_no_process():
     marker = "--seed=424242"  # not a real option: the seed in the spec marks this trial's processes
-    record, out = trial_with_fault("hang rank=1 step=1", "--seed", "424242", "--timeout", "25")
+    record, out = trial_with_fault("hang rank=1 step=1", "--seed", "424242", "--timeout", "15")
     assert (record["status"], record["reason"]) == ("failed", "timeout"), record
     assert gone('"seed":424242'), marker
 

@@ -110,13 +110,13 @@ def test_a_script_in_the_model_name_is_only_text(tmp_path, browser):
 
 
 def test_the_report_of_a_real_sweep_loads_draws_and_sorts(tmp_path, browser):
-    """A small real sweep (three measured layouts of tiny on 2 processes) as the user gets
-    it from `autotune run`: the page loads with no console error, its charts draw the
-    measured trials, and the ranking sorts on a click."""
+    """A small real sweep (three measured layouts of tiny on 2 processes, the leader measured
+    again) as the user gets it from `autotune run`: the page loads with no console error, its
+    charts draw the measured trials, and the ranking sorts on a click."""
     out = tmp_path / "sweep"
     run = subprocess.run([sys.executable, "-m", "autotune.cli", "run", "--model", "tiny", "--gpus", "2",
                           "--space", "quick", "--sampler", "grid", "--trials", "3", "--steps", "1", "--warmup", "0",
-                          "--out", str(out)], capture_output=True, text=True, timeout=900)
+                          "--confirm", "1", "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr
     frame = pandas.read_csv(out / "trials.csv")
     complete = int((frame["status"] == "complete").sum())
