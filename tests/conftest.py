@@ -1,6 +1,6 @@
 """Shared set-up: one thread per rank, the `distributed` tier, the PostgreSQL fixture.
 
-`pytest -m "not distributed"` is the fast tier (about a minute): every test that starts
+`pytest -m "not distributed"` is the fast tier (about half a minute): every test that starts
 a process (a gloo process group, torchrun, the CLI in a subprocess, Chromium) is marked
 `distributed` here, by module or by name. A test of the fast tier that starts one fails
 and says so, so the tiers stay honest.
