@@ -1,16 +1,16 @@
 """Run many layouts in one group of real gloo processes, for the numerics tests.
 
 Starting a process costs seconds (importing torch and autotune: 3.6 s of CPU each), so
-every rank is forked from a server process that has imported them once (multiprocessing's
-forkserver), and the layouts run in warm ranks:
-`world_size` spawned processes kept from test to test (one group per world size), each
-call forming a new gloo process group over a fresh FileStore and running every layout
-it compares through the same `autotune.runtime.trial.run` that `autotune trial` uses, as
-autotune's own warm pool does for sweeps (autotune/pool.py: nothing a trial leaves
-changes the next one's losses or peak memory, tests/test_pool.py). A call that fails on
-any rank, or outlives its timeout, ends the group; the next call starts a fresh one.
-Profiled runs (they measure memory) and `run_on_ranks`' probes (they measure memory or
-patch torch) run on ranks started for the call.
+every rank is forked from a server process that has imported them once
+(multiprocessing's forkserver), and the layouts run in warm ranks: `world_size`
+processes kept from test to test (one group per world size), each call forming a new
+gloo process group over a fresh FileStore and running every layout it compares through
+the same `autotune.runtime.trial.run` that `autotune trial` uses, as autotune's own warm
+pool does for sweeps (autotune/pool.py: nothing a trial leaves changes the next one's
+losses or peak memory, tests/test_pool.py). A call that fails on any rank, or outlives
+its timeout, ends the group; the next call starts a fresh one. Profiled runs (they
+measure memory) and `run_on_ranks`' probes (they measure memory or patch torch) run on
+ranks started for the call.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _serve(rank: int, world_size: int, tasks, answers, environment: dict) -> Non
 
 
 class WarmGroup:
-    """`world_size` spawned ranks that run one call after another (_serve)."""
+    """`world_size` ranks that run one call after another (_serve)."""
 
     def __init__(self, world_size: int):
         context = mp.get_context("forkserver")
