@@ -30,8 +30,8 @@ def pids(pool: RankPool) -> list[int]:
 
 
 def test_a_pooled_trial_gives_a_fresh_trials_losses_and_peak_whatever_ran_before(pool, tmp_path):
-    # Every kind of group and hook, one profiled step each (4 micro-batches: at mbs=1 a tp=2
-    # step of tiny takes 1.8 s, most of it in its 16 micro-batches' collectives).
+    # Every kind of group and hook, one profiled step each at mbs=4 (2 to 4 micro-batches: at
+    # mbs=1 a tp=2 step of tiny takes 1.8 s, most of it in its 16 micro-batches' collectives).
     for before in ("tp=2,sp=1,mbs=4", "pp=2,schedule=zbv,mbs=4", "cp=2,mbs=4", "dp=2,zero=3,mbs=4"):
         record = pool.run(spec(before, steps=1, warmup=0), 2, 300, tmp_path)
         assert record["status"] == "complete", (before, record)
