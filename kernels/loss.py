@@ -72,6 +72,7 @@ class _CrossEntropy(torch.autograd.Function):
             index = local_labels[start:start + step].clamp(0, vocab - 1)[:, None]
             probs.scatter_add_(1, index, -mine.to(probs.dtype)[:, None])
             out[start:start + step] = probs.mul_(scale)
+            del probs  # else the name holds this chunk while the next one is made: one chunk more
         return out, None, None, None
 
 

@@ -1,9 +1,16 @@
 """kernels/norm.py and kernels/loss.py against their plain references, and what each keeps
 for backward (the reason they exist)."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from autotune.config import load_model
+from autotune.estimate_memory import LOSS_CHUNK_ELEMENTS, loss_bytes, precision
+from autotune.layout import resolve
+from autotune.runtime.memory import cpu_peak_during
+from autotune.runtime.torch_compat import track_cpu_allocations
 from autotune_kernels import loss as loss_kernel
 from autotune_kernels.loss import cross_entropy, reference_cross_entropy
 from autotune_kernels.norm import reference_rms_norm, rms_norm
@@ -70,3 +77,21 @@ def test_cross_entropy_keeps_the_logits_and_one_fp32_value_per_row():
     saved = saved_by(cross_entropy, logits, labels)
     assert ((64, 300), torch.bfloat16) in saved and ((64,), torch.float32) in saved
     assert not any(d == torch.float32 and torch.Size(s).numel() >= 64 * 300 for s, d in saved)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cross_entropy_holds_what_the_estimator_prices(dtype):
+    """Over 4 chunks of rows, the allocator's peak during forward and backward, above the
+    logits, is estimate_memory.loss_bytes' second figure: the gradient and the fp32
+    chunks worked in (a chunk more while the loop kept its last chunk alive into the next)."""
+    assert track_cpu_allocations() and loss_kernel.CHUNK_ELEMENTS == LOSS_CHUNK_ELEMENTS
+    model = dataclasses.replace(load_model("tiny"), seq_len=512, vocab_size=32_000, dtype=dtype)
+    layout = resolve("dp=1,mbs=1", model, 1)
+    _, priced = loss_bytes(model, layout, precision(model, "cpu"))
+    logits = torch.randn(512, 32_000, dtype=getattr(torch, {"fp32": "float32"}.get(dtype, "bfloat16")))
+    labels = torch.randint(32_000, (512,))
+    x = logits.clone().requires_grad_()
+    cross_entropy(x, labels).backward()  # warm: the first pass allocates what the next ones reuse
+    x = logits.clone().requires_grad_()
+    measured = cpu_peak_during(lambda: cross_entropy(x, labels).backward())
+    assert abs(measured - priced) <= 0.01 * priced, (measured, priced)

@@ -181,6 +181,24 @@ def rank_peak(peaks: list[int]) -> int:
     return int(statistics.median(peaks)) if peaks else 0
 
 
+def cpu_peak_during(fn) -> int:
+    """The most bytes the CPU allocator held while fn() ran, above what it held when fn
+    began, in one thread without collectives (a kernel's working set; trials measure
+    through StepProfiler). Needs torch_compat.track_cpu_allocations() on."""
+    from torch.profiler import profile
+
+    from autotune.runtime.event_table import read_cpu_profile
+
+    with profile(profile_memory=True) as prof:
+        fn()
+    _, nodes = read_cpu_profile(prof.profiler.kineto_results)
+    if not nodes:
+        return 0
+    nodes.sort(key=lambda node: node.start_time_ns)
+    before = nodes[0].extra_fields.total_allocated - nodes[0].extra_fields.alloc_size
+    return max(0, max(node.extra_fields.total_allocated for node in nodes) - before)
+
+
 def live_tensor_bytes(device: torch.device) -> int:
     """Bytes of the storages of every tensor on `device` that Python can reach, each once
     (the fallback's starting level). Wrapper subclasses (DTensor) own no storage; their
