@@ -33,6 +33,7 @@ def test_torchtitan_accepts_every_export():
         replicate, shard = (L.dp, 1) if L.zero == 0 else (L.dp_replicate, L.dp_shard)
         assert got["dims"] == [replicate, shard, L.cp, L.tp, L.pp, L.ep], L
         assert got["accumulation"] * got["microbatches"] == t.grad_accum
+        assert got["compile"] == [True, ["loss"]]  # the loss holds what ours holds; the blocks run eager
         assert got["ac"].split(".")[0] == {"none": "NoneType", "full": "FullAC"}.get(L.recompute, "SelectiveAC")
         if L.pp > 1:
             assert [sum(n.startswith("layers.") for n in part) for part in got["parts"]] == [

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import shlex
 
+from autotune.config import GIB
+from autotune.estimate_memory import rank_shape
 from autotune.export import Export, Mapping, Target, comment_block, flag_lines
 from autotune.schedules import SCHEDULES
 
@@ -29,6 +31,10 @@ CONFIGS = {
 # Where a model has none: the nearest to start from (a small one for our tiny presets).
 START_FROM = {"tiny": ("llama3", "llama3_debugmodel"), "tiny-moe": ("qwen3", "qwen3_moe_debug")}
 DENSE_START, MOE_START = ("llama3", "llama3_8b"), ("qwen3", "qwen3_30b_a3b")
+
+# torchtitan 0.3.0's eager cross_entropy_loss at its backward, beside the logits, at bf16 and
+# fp32 alike (an fp32 copy, log_softmax's output, their gradients; benchmarks/loss_memory.py).
+EAGER_LOSS_BYTES = 12
 
 AC_MODES = {"none": "none", "selective": "selective", "op": "selective", "full": "full"}
 
@@ -101,6 +107,8 @@ def torchtitan(t: Target) -> Export:
         add("dtype=fp32", "exact", {"training.mixed_precision_param": "float32"})
     else:
         maps.append(Mapping(f"dtype={m.dtype}", "none", "", "torchtitan selects it by its model converters"))
+    add("loss (chunked: the logits' gradient beside them)", "exact",
+        ["--compile.enable", "--compile.components", "loss"], _loss_note(t))
     mode = AC_MODES[L.recompute]
     exact = L.recompute in ("none", "op") or (L.recompute == "full" and not L.recompute_layers)
     note = {"selective": "torchtitan's selective checkpointing is per-op (it keeps every other matmul output), "
@@ -112,6 +120,17 @@ def torchtitan(t: Target) -> Export:
     maps.append(Mapping(f"recompute={L.recompute}" + (f":{L.recompute_layers}" if L.recompute_layers else ""),
                         "exact" if exact else "approximate", f"activation-checkpoint:{mode}", note))
     return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args)
+
+
+def _loss_note(t: Target) -> str:
+    """Why the loss is compiled, in GiB at this layout: torchtitan's eager cross-entropy
+    upcasts the whole logits to fp32 and holds 12 bytes a logit beside them at its backward;
+    compiled, 2 at bf16 (the gradient), as ours does (benchmarks/loss_memory.py)."""
+    L, m = t.layout, t.model
+    logits = L.mbs * m.seq_len / L.cp * m.vocab_size / L.tp  # one micro-batch's, on one rank (vocab-parallel)
+    return (f"torchtitan's eager loss upcasts the logits to fp32: {logits * EAGER_LOSS_BYTES / GIB:.3g} GiB beside "
+            f"the {logits:,.0f} logits of a micro-batch here; compiled it holds their gradient, as ours does. "
+            "Only the loss is compiled: the blocks run eager, as they were measured")
 
 
 def _data_parallel(t: Target, add) -> None:
@@ -129,11 +148,27 @@ def _data_parallel(t: Target, add) -> None:
               "parallelism.fsdp_reshard_after_forward": reshard}
     hsdp = "; HSDP across the replicas" if L.dp_shard < L.dp else ""
     if L.zero in (2, 3):
-        add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero={L.zero}", "exact", values, f"FSDP2 over dp_shard (x cp){hsdp}")
+        under_pp = f"; {_pipeline_gradients_note(t)}" if L.pp > 1 else ""
+        add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero={L.zero}", "exact" if L.pp == 1 else "approximate", values,
+            f"FSDP2 over dp_shard (x cp){hsdp}{under_pp}")
     else:
         add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero=1", "approximate", values,
             "torchtitan has no optimizer-only sharding (ZeRO-1): the nearest, FSDP2 without resharding after "
             f"forward (zero=2), is written{hsdp}")
+
+
+def _pipeline_gradients_note(t: Target) -> str:
+    """FSDP under torch's PipelineStage: the stage turns gradient reduction off for every
+    micro-batch's backward but the last, so FSDP2 accumulates the stage's unsharded
+    gradients in its reduce dtype (FSDPParam.to_accumulated_grad_if_needed) for the whole
+    step; ours reduce-scatters each micro-batch's and keeps the shards."""
+    L, m = t.layout, t.model
+    params = max(rank_shape(m, L, rank).total_params for rank in range(L.pp))
+    width = 2 if m.grad_dtype == "bf16" else 4
+    return (f"under PP torch's PipelineStage turns FSDP's gradient reduction off until a stage's last "
+            f"micro-batch, so torchtitan holds the stage's unsharded {'bf16' if width == 2 else 'fp32'} gradients "
+            f"through the step, {params * width / GIB:.3g} GiB a rank here, which the estimator does not price "
+            "(ours reduce-scatters each micro-batch's)")
 
 
 def _pipeline(t: Target, add) -> None:

@@ -28,6 +28,7 @@ LAYOUTS = [
     ("mixtral-8x7b", 16, "tp=2,sp=1,ep=4,dp=8,zero=3,mbs=1"),                # EP with TP
     ("qwen3-30b-a3b", 16, "tp=2,sp=1,ep=8,dp=8,zero=1,mbs=1"),
     ("qwen3-30b-a3b", 16, "pp=2,ep=8,dp=8,zero=1,schedule=1f1b,mbs=1"),      # EP under PP
+    ("llama3-8b", 16, "pp=2,dp=8,zero=3,schedule=1f1b,mbs=1"),               # FSDP under PP
 ]
 
 

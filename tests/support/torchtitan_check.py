@@ -54,7 +54,8 @@ def check(case: dict) -> dict:
     return {"dims": [dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.ep],
             "accumulation": accumulation, "microbatches": microbatches,
             "ac": type(config.activation_checkpoint).__qualname__, "sp": par.enable_sequence_parallel,
-            "parts": par.module_fqns_per_model_part}
+            "parts": par.module_fqns_per_model_part,
+            "compile": [config.compile.enable, list(config.compile.components)]}
 
 
 if __name__ == "__main__":
