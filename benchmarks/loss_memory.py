@@ -1,23 +1,33 @@
-"""What a training loss holds beside the logits: ours against torchtitan 0.3.0's, eager and compiled.
+"""What a training loss holds at its peak: ours against torchtitan 0.3.0's and Megatron-core's.
 
     .venv/bin/python benchmarks/loss_memory.py [--tokens 4096] [--vocab 32000] [--no-write]
 
-The exported torchtitan command trains the layout we priced only if its loss holds what
+An exported command trains the layout we priced only if the framework's loss holds what
 ours holds. torchtitan's `cross_entropy_loss` upcasts the whole logits to fp32 before
-`F.cross_entropy`; ours (autotune_kernels.loss) works in fp32 chunks and writes the
-gradient in the logits' dtype. Each loss runs forward and backward over [1, tokens,
-vocab] logits on the CPU, twice to warm up (and compile), then once under the profiler
-with c10's allocator counting every allocation (runtime/memory.cpu_peak_during); the
-figure is the allocator's highest level during that pass less its level before, where
-the logits already live, in bytes per logit.
+`F.cross_entropy`; Megatron-core's `vocab_parallel_cross_entropy` works on an fp32 copy
+of them and keeps their softmax for backward; ours (autotune_kernels.loss) works in fp32
+chunks and writes the gradient in the logits' dtype.
+
+Each loss takes the logits from a head, as in a model: hidden [1, tokens, 16] @ [16, vocab],
+the hidden state and the head's weight requiring gradients, so that the logits are freed
+when the loss does not keep them. Forward and backward run twice to warm up (and
+compile), then once under the profiler with c10's allocator counting every allocation
+(runtime/memory.cpu_peak_during); the figure is the allocator's highest level during that
+pass less its level before, in bytes per logit (the logits themselves included).
+
+Megatron-core is not among our dependencies: its rows appear where it can be imported
+(`pip install --no-deps megatron-core`; its cross-entropy needs only torch), with a
+one-process gloo group as its tensor-parallel group.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 from results_section import machine, today, write_section
 from torchtitan.components.loss import cross_entropy_loss
 
@@ -25,17 +35,41 @@ from autotune.runtime.memory import cpu_peak_during
 from autotune.runtime.torch_compat import track_cpu_allocations
 from autotune_kernels.loss import cross_entropy as ours
 
+HIDDEN = 16  # the head's input width: small beside the vocabulary, so the logits dominate
+
 
 def bytes_per_logit(loss, dtype: torch.dtype, tokens: int, vocab: int) -> float:
-    """The most the allocator held during one forward and backward above what it held before."""
-    logits = torch.randn(1, tokens, vocab, dtype=dtype)
+    """The most the allocator held from the head's forward to the end of backward, above what it held before."""
+    hidden = torch.randn(1, tokens, HIDDEN, dtype=dtype, requires_grad=True)
+    head = torch.randn(HIDDEN, vocab, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
+
+    def step():
+        loss(hidden @ head, labels).backward()
+
     for _ in range(2):
-        x = logits.clone().requires_grad_()
-        loss(x, labels).backward()
-        del x
-    x = logits.clone().requires_grad_()
-    return cpu_peak_during(lambda: loss(x, labels).backward()) / (tokens * vocab)
+        step()
+    return cpu_peak_during(step) / (tokens * vocab)
+
+
+def megatron_losses() -> dict:
+    """Megatron-core's two native cross-entropies on a one-process tensor-parallel group, or none."""
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+        from megatron.core.package_info import __version__
+        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    except ImportError:
+        return {}
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+    group = dist.new_group([0])
+    parallel_state._TENSOR_MODEL_PARALLEL_GROUP = group  # what initialize_model_parallel(1) would set
+    # [batch, seq, vocab] logits, as ours and torchtitan's take them; Megatron's are [seq, batch, vocab]
+    return {f"Megatron-core {__version__}, unfused":
+            lambda x, y: vocab_parallel_cross_entropy(x.transpose(0, 1), y.transpose(0, 1)).sum(),
+            f"Megatron-core {__version__}, --cross-entropy-loss-fusion (native)":
+            lambda x, y: fused_vocab_parallel_cross_entropy(x.transpose(0, 1), y.transpose(0, 1), group).sum()}
 
 
 def main() -> None:
@@ -47,18 +81,18 @@ def main() -> None:
     if not track_cpu_allocations():
         raise SystemExit("this torch build's c10 does not export caffe2_report_cpu_memory_usage")
     start = time.perf_counter()
-    titan = cross_entropy_loss
-    losses = {"ours (autotune_kernels.loss)": ours, "torchtitan 0.3.0, eager": titan,
-              "torchtitan 0.3.0, compiled (--compile.components loss)": torch.compile(titan)}
+    losses = {"ours (autotune_kernels.loss)": ours, "torchtitan 0.3.0, eager": cross_entropy_loss,
+              "torchtitan 0.3.0, compiled (--compile.components loss)": torch.compile(cross_entropy_loss),
+              **megatron_losses()}
     rows = []
     for name, loss in losses.items():
         figures = [bytes_per_logit(loss, dtype, args.tokens, args.vocab) for dtype in (torch.bfloat16, torch.float32)]
         rows.append(f"| {name} | {figures[0]:.2f} | {figures[1]:.2f} |")
         print(rows[-1], flush=True)
-    text = f"""## What the loss holds beside the logits (`loss_memory.py`)
+    text = f"""## What the loss holds at its peak (`loss_memory.py`)
 
-Forward and backward of each loss over [1, {args.tokens:,}, {args.vocab:,}] logits on the CPU, the allocator's
-highest level less its level before (the logits already live), bytes per logit.
+The head's forward, the loss and their backward over [{args.tokens:,}, {args.vocab:,}] logits on the CPU: the
+allocator's highest level less its level before, bytes per logit (the logits included).
 {today()}, {machine()}; {time.perf_counter() - start:.0f} s.
 
 | loss | bf16 logits | fp32 logits |
@@ -66,8 +100,8 @@ highest level less its level before (the logits already live), bytes per logit.
 {chr(10).join(rows)}
 
 The exported torchtitan command compiles the loss (`--compile.enable --compile.components
-loss`), so that torchtitan holds what the estimator prices: the gradient beside the logits,
-where its eager loss holds six times as much at bf16.
+loss`), so that torchtitan holds what the estimator prices. Megatron-LM's export says what
+its loss holds beyond ours at the layout (README, Exports).
 """
     print(text)
     if not args.no_write:

@@ -169,6 +169,20 @@ def test_torchtitan_ep_with_tp_is_approximate():
     assert model.status == "approximate" and "start from qwen3.qwen3_30b_a3b" in model.note
 
 
+def test_the_loss_notes_give_what_each_framework_holds_at_the_layout():
+    """llama3-8b at mbs 2, seq 8192: 2 x 8192 x 128,256 logits a micro-batch; torchtitan's
+    eager loss would hold 12 bytes each (it is compiled, holding 4, as ours), Megatron-LM's
+    6 (benchmarks/loss_memory.py)."""
+    t = dict(TARGETS)["llama3-8b:8:dp=8,zero=0,mbs=2"]
+    logits = 2 * 8192 * 128_256
+    titan = next(mp for mp in torchtitan(t).mappings if mp.ours.startswith("loss"))
+    assert titan.status == "exact" and titan.theirs == "--compile.enable --compile.components loss"
+    assert f"{12 * logits / 2**30:.3g} GiB at its peak" in titan.note and f"{4 * logits / 2**30:.3g} GiB" in titan.note
+    meg = next(mp for mp in megatron(t).mappings if mp.ours.startswith("loss"))
+    assert meg.status == "approximate" and f"{6 * logits / 2**30:.3g} GiB at its peak" in meg.note
+    assert f"{2 * logits / 2**30:.3g} GiB more than the estimator prices" in meg.note
+
+
 def test_torchtitan_fsdp_under_pp_names_the_unsharded_gradients():
     """torch's PipelineStage keeps FSDP's gradient reduction off until a stage's last
     micro-batch: llama3-8b's half (16 layers and the embedding or the head, about 4.0

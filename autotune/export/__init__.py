@@ -55,6 +55,13 @@ class Target:
         return self.layout.grad_accum(self.model)
 
     @property
+    def logits(self) -> float:
+        """One micro-batch's logits on one rank of the last stage: mbs x seq/cp tokens, each
+        over vocab/tp (every framework here splits the head over the vocabulary)."""
+        L, m = self.layout, self.model
+        return L.mbs * m.seq_len / L.cp * m.vocab_size / L.tp
+
+    @property
     def nodes(self) -> int:
         """The fewest nodes that hold the GPUs with the same count on each (torchrun's requirement)."""
         return next(n for n in range(-(-self.gpus // self.gpus_per_node), self.gpus + 1) if self.gpus % n == 0)

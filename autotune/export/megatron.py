@@ -22,8 +22,25 @@ from __future__ import annotations
 
 import shlex
 
+from autotune.config import GIB
 from autotune.export import Export, Mapping, Target, comment_block, flag_lines
 from autotune.export.megatron_pipeline import pipeline_flags
+
+# Megatron-core's vocab_parallel_cross_entropy at its peak, bytes a logit, the logits included
+# (benchmarks/loss_memory.py): from 2-byte logits an fp32 copy kept as the softmax and the
+# gradient cast back; fp32 logits are worked on in place.
+LOSS_PEAK_BYTES = {2: 6, 4: 4}
+
+
+def _loss(t: Target) -> Mapping:
+    """What Megatron-LM's cross-entropy holds against ours (the logits and their gradient)."""
+    width = 4 if t.model.dtype == "fp32" else 2
+    theirs, ours = LOSS_PEAK_BYTES[width] * t.logits, 2 * width * t.logits
+    return Mapping("loss (chunked: the logits' gradient beside them)", "approximate" if theirs > ours else "exact", "",
+                   f"Megatron-LM's cross-entropy works on an fp32 copy of the logits: {theirs / GIB:.3g} GiB at its "
+                   f"peak for the {t.logits:,.0f} logits of a micro-batch here, ours {ours / GIB:.3g} GiB "
+                   f"({max(theirs - ours, 0) / GIB:.3g} GiB more than the estimator prices); its native fusion "
+                   "(--cross-entropy-loss-fusion) holds more on the CPU, 10 bytes a logit, and is not written")
 
 
 def uses_megatron_fsdp(t: Target) -> bool:
@@ -65,6 +82,7 @@ def megatron(t: Target) -> Export:
         add("dtype=fp32", "exact", [], "Megatron-LM trains in fp32 unless --bf16 or --fp16 is given")
     else:
         add(f"dtype={m.dtype}", "none", [], "not translated: set Megatron-LM's precision flags for it by hand")
+    maps.append(_loss(t))
     env, env_note = _environment(t)
     maps.append(Mapping("environment", "exact", env, env_note))
     return Export("Megatron-LM", "megatron_args.sh", script(t, maps, args, env), maps, args=args)

@@ -32,8 +32,8 @@ CONFIGS = {
 START_FROM = {"tiny": ("llama3", "llama3_debugmodel"), "tiny-moe": ("qwen3", "qwen3_moe_debug")}
 DENSE_START, MOE_START = ("llama3", "llama3_8b"), ("qwen3", "qwen3_30b_a3b")
 
-# torchtitan 0.3.0's eager cross_entropy_loss at its backward, beside the logits, at bf16 and
-# fp32 alike (an fp32 copy, log_softmax's output, their gradients; benchmarks/loss_memory.py).
+# torchtitan 0.3.0's eager cross_entropy_loss at its peak, bytes a logit, the logits included, at
+# bf16 and fp32 alike (log_softmax's fp32 output and the gradients; benchmarks/loss_memory.py).
 EAGER_LOSS_BYTES = 12
 
 AC_MODES = {"none": "none", "selective": "selective", "op": "selective", "full": "full"}
@@ -123,14 +123,14 @@ def torchtitan(t: Target) -> Export:
 
 
 def _loss_note(t: Target) -> str:
-    """Why the loss is compiled, in GiB at this layout: torchtitan's eager cross-entropy
-    upcasts the whole logits to fp32 and holds 12 bytes a logit beside them at its backward;
-    compiled, 2 at bf16 (the gradient), as ours does (benchmarks/loss_memory.py)."""
-    L, m = t.layout, t.model
-    logits = L.mbs * m.seq_len / L.cp * m.vocab_size / L.tp  # one micro-batch's, on one rank (vocab-parallel)
-    return (f"torchtitan's eager loss upcasts the logits to fp32: {logits * EAGER_LOSS_BYTES / GIB:.3g} GiB beside "
-            f"the {logits:,.0f} logits of a micro-batch here; compiled it holds their gradient, as ours does. "
-            "Only the loss is compiled: the blocks run eager, as they were measured")
+    """Why the loss is compiled, in GiB at this layout (benchmarks/loss_memory.py): eager,
+    torchtitan's cross-entropy upcasts the whole logits to fp32 and holds 12 bytes a logit
+    at its peak; compiled, the logits and their gradient, as ours."""
+    compiled = 2 * (4 if t.model.dtype == "fp32" else 2) * t.logits
+    return (f"torchtitan's eager loss upcasts the logits to fp32: {EAGER_LOSS_BYTES * t.logits / GIB:.3g} GiB at "
+            f"its peak for the {t.logits:,.0f} logits of a micro-batch here; compiled, {compiled / GIB:.3g} GiB (the "
+            "logits and their gradient), as ours. Only the loss is compiled: the blocks run eager, as they were "
+            "measured")
 
 
 def _data_parallel(t: Target, add) -> None:
