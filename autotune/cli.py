@@ -24,6 +24,7 @@ from autotune.config import (
     as_trained,
     hardware_for_device_name,
     hardware_presets,
+    human_bytes,
     load_hardware,
     load_model,
     parse_dtype,
@@ -416,13 +417,6 @@ def cmd_estimate(args) -> int:
     else:
         print_estimates(ranked, model.name, args.gpus, hardware.name, args.top, state_over_budget, budget)
     return 0
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def print_estimate(e, model_name: str, hardware_name: str) -> None:

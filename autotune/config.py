@@ -23,6 +23,16 @@ from autotune.errors import UsageError
 from autotune.hf_config import from_hf_config
 
 GIB = 2**30  # memory_gb, budgets and every reported GiB figure
+
+
+def human_bytes(n: float) -> str:
+    """1.23 GiB, 45.00 MiB, 12 B: a memory figure as a person reads it."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
 PRESET_DIR = Path(__file__).parent / "models"
 HARDWARE_DIR = Path(__file__).parent / "hardware"
 # The precisions a model trains in. fp16 trains with a loss scaler; fp8 and mxfp8 run the

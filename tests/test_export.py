@@ -210,6 +210,31 @@ def test_export_command_writes_best(tmp_path, capsys):
     assert "the layout given to `autotune export`" in layout_txt and "recommends" not in layout_txt
 
 
+def test_best_readme_says_which_frameworks_fit_the_budget(tmp_path):
+    """llama3-8b at pp=2 dp=8 zero=3 mbs=1: the estimator prices our runtime at about 50 GiB;
+    torchtitan's command holds 13 GiB of unsharded fp32 gradients more (15 GiB in all, less
+    ours, an eighth); under a 55 GiB budget ours and Megatron-LM's fit, torchtitan's does not."""
+    from autotune.config import load_hardware, load_model
+    from autotune.estimate import estimate
+    from autotune.layout import resolve
+    from autotune.record import Question
+    from autotune.report.best import write_best
+
+    model, hardware = load_model("llama3-8b"), load_hardware("h100-sxm")
+    layout = resolve("pp=2,dp=8,zero=3,schedule=1f1b,mbs=1", model, 16, 8)
+    question = Question(model=dataclasses.asdict(model), gpus=16, space={}, hardware=dataclasses.asdict(hardware),
+                        device="cuda", memory_budget_gb=55, gpus_per_node=8)
+    write_best(tmp_path, question, {"layout": str(layout)})
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in
+            (tmp_path / "README.md").read_text().splitlines() if line.startswith("| ") and "GiB" in line}
+    ours = estimate(model, layout, hardware).peak_mem_bytes / 2**30
+    assert 45 < ours < 55 and rows["our runtime (torchrun.sh)"][2] == f"{ours:,.2f} GiB"
+    titan = rows["torchtitan (torchtitan.sh)"]
+    beyond = float(re.search(r"under PP: ([0-9.]+) GiB", titan[1]).group(1))
+    assert 12.5 < beyond < 13.5 and titan[3] == "**no** |"
+    assert rows["Megatron-LM (megatron_args.sh)"][3] == "yes |"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--layout", "tp=3"], "layout: tp*pp*cp = 3*1*1 = 3 must divide --gpus 16"),
     (["--layout", "ep=2"], "layout.ep: expert parallel needs an MoE model"),

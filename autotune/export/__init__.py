@@ -39,6 +39,9 @@ class Export:
     mappings: list[Mapping] = field(default_factory=list)
     reason: str = ""
     args: list[str] = field(default_factory=list)  # a command line's arguments as written, for checking
+    # What the framework holds beyond what the estimator prices for our runtime, (what, bytes a
+    # GPU at most); None where we cannot tell (DeepSpeed: the model's own code holds the rest).
+    beyond_ours: list[tuple[str, float]] | None = None
 
 
 @dataclass

@@ -32,10 +32,14 @@ from autotune.export.megatron_pipeline import pipeline_flags
 LOSS_PEAK_BYTES = {2: 6, 4: 4}
 
 
-def _loss(t: Target) -> Mapping:
-    """What Megatron-LM's cross-entropy holds against ours (the logits and their gradient)."""
+def loss_bytes(t: Target) -> tuple[float, float]:
+    """(Megatron-LM's cross-entropy, ours: the logits and their gradient) at their peak, bytes a rank."""
     width = 4 if t.model.dtype == "fp32" else 2
-    theirs, ours = LOSS_PEAK_BYTES[width] * t.logits, 2 * width * t.logits
+    return LOSS_PEAK_BYTES[width] * t.logits, 2 * width * t.logits
+
+
+def _loss(t: Target) -> Mapping:
+    theirs, ours = loss_bytes(t)
     return Mapping("loss (chunked: the logits' gradient beside them)", "approximate" if theirs > ours else "exact", "",
                    f"Megatron-LM's cross-entropy works on an fp32 copy of the logits: {theirs / GIB:.3g} GiB at its "
                    f"peak for the {t.logits:,.0f} logits of a micro-batch here, ours {ours / GIB:.3g} GiB "
@@ -85,7 +89,9 @@ def megatron(t: Target) -> Export:
     maps.append(_loss(t))
     env, env_note = _environment(t)
     maps.append(Mapping("environment", "exact", env, env_note))
-    return Export("Megatron-LM", "megatron_args.sh", script(t, maps, args, env), maps, args=args)
+    theirs, ours = loss_bytes(t)
+    beyond = [("the loss's fp32 copy of the logits", theirs - ours)] if theirs > ours else []
+    return Export("Megatron-LM", "megatron_args.sh", script(t, maps, args, env), maps, args=args, beyond_ours=beyond)
 
 
 def _experts(t: Target, add) -> None:

@@ -119,7 +119,9 @@ def torchtitan(t: Target) -> Export:
     args.append(f"activation-checkpoint:{mode}")
     maps.append(Mapping(f"recompute={L.recompute}" + (f":{L.recompute_layers}" if L.recompute_layers else ""),
                         "exact" if exact else "approximate", f"activation-checkpoint:{mode}", note))
-    return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args)
+    beyond = [("FSDP's unsharded gradients under PP", _pipeline_gradient_bytes(t)[1])] \
+        if L.pp > 1 and L.zero in (2, 3) and L.dp > 1 else []
+    return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args, beyond_ours=beyond)
 
 
 def _loss_note(t: Target) -> str:
@@ -157,18 +159,23 @@ def _data_parallel(t: Target, add) -> None:
             f"forward (zero=2), is written{hsdp}")
 
 
-def _pipeline_gradients_note(t: Target) -> str:
-    """FSDP under torch's PipelineStage: the stage turns gradient reduction off for every
-    micro-batch's backward but the last, so FSDP2 accumulates the stage's unsharded
-    gradients in its reduce dtype (FSDPParam.to_accumulated_grad_if_needed) for the whole
-    step; ours reduce-scatters each micro-batch's and keeps the shards."""
+def _pipeline_gradient_bytes(t: Target) -> tuple[float, float]:
+    """(what torchtitan holds, what it holds beyond ours) in gradients a rank under PP with
+    FSDP: torch's PipelineStage turns gradient reduction off for every micro-batch's backward
+    but a stage's last, so FSDP2 accumulates the stage's unsharded gradients in its reduce
+    dtype (FSDPParam.to_accumulated_grad_if_needed) through the step; ours reduce-scatters
+    each micro-batch's and keeps the shard (1 / (dp_shard x cp) of them)."""
     L, m = t.layout, t.model
-    params = max(rank_shape(m, L, rank).total_params for rank in range(L.pp))
-    width = 2 if m.grad_dtype == "bf16" else 4
+    unsharded = max(rank_shape(m, L, rank).total_params for rank in range(L.pp)) * (2 if m.grad_dtype == "bf16" else 4)
+    return unsharded, unsharded * (1 - 1 / (L.dp_shard * L.cp))
+
+
+def _pipeline_gradients_note(t: Target) -> str:
+    held, beyond = _pipeline_gradient_bytes(t)
     return (f"under PP torch's PipelineStage turns FSDP's gradient reduction off until a stage's last "
-            f"micro-batch, so torchtitan holds the stage's unsharded {'bf16' if width == 2 else 'fp32'} gradients "
-            f"through the step, {params * width / GIB:.3g} GiB a rank here, which the estimator does not price "
-            "(ours reduce-scatters each micro-batch's)")
+            f"micro-batch, so torchtitan holds the stage's unsharded {t.model.grad_dtype} gradients through the "
+            f"step, {held / GIB:.3g} GiB a rank here, {beyond / GIB:.3g} GiB more than ours (which reduce-scatters "
+            "each micro-batch's)")
 
 
 def _pipeline(t: Target, add) -> None:

@@ -6,7 +6,7 @@
     megatron_args.sh    Megatron-LM arguments (and the environment they need)
     torchtitan.sh       a torchtitan 0.3.0 command line: --module, --config and overrides
     deepspeed.json      a DeepSpeed config, where one applies (deepspeed_notes.md says how it maps)
-    README.md           what each file holds, and every setting's mapping
+    README.md           what each file holds, every setting's mapping, and the memory each framework holds
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from autotune.config import human_bytes
+from autotune.errors import UsageError
+from autotune.estimate import budget_bytes, estimate
 from autotune.export import Export, Target, comment_block, target
 from autotune.export.deepspeed import deepspeed
 from autotune.export.megatron import megatron
@@ -51,7 +54,7 @@ def write_best(folder: Path, question: Question, best) -> list[Path]:
         written["deepspeed_notes.md"] = ("# deepspeed.json: how it maps\n\nJSON has no comments, so the mapping "
                                          "of deepspeed.json is here.\n\n" + "\n".join(
                                              comment_block(deepspeed_export.mappings, prefix="")) + "\n")
-    written["README.md"] = readme(t, best, translations)
+    written["README.md"] = readme(t, best, translations) + "\n".join(memory_section(t, question, translations)) + "\n"
     for name, text in written.items():
         (folder / name).write_text(text, encoding="utf-8")
     for name in ("torchrun.sh", "torchtitan.sh"):
@@ -92,3 +95,34 @@ def readme(t: Target, best, translations: list[Export]) -> str:
         lines += [f"| `{mp.ours}` | {mp.status} | {('`' + mp.theirs + '`') if mp.theirs else '-'} | {mp.note} |"
                   for mp in x.mappings]
     return "\n".join(lines) + "\n"
+
+
+def memory_section(t: Target, question: Question, translations: list[Export]) -> list[str]:
+    """The estimator's peak for our runtime on a GPU, in the model's precision, and what
+    each framework's file would hold beyond it (Export.beyond_ours), against the budget:
+    a layout can fit in our runtime and not in a framework that holds more. The terms
+    added may peak at different moments of a step, so each framework's figure is a
+    bound, not a prediction."""
+    hardware = question.hardware_config
+    budget = budget_bytes(hardware, question.memory_budget_gb)
+    lines = ["", "## Memory in each framework", ""]
+    try:
+        ours = estimate(t.model, t.layout, hardware, budget, device="cuda").peak_mem_bytes
+    except UsageError as e:  # the hardware lacks the model's precision
+        return lines + [f"Not priced: {e}."]
+
+    def row(name: str, beyond: list[tuple[str, float]]) -> str:
+        peak = ours + sum(b for _, b in beyond)
+        fits = "-" if budget is None else "yes" if peak <= budget else "**no**"
+        what = "; ".join(f"{why}: {human_bytes(b)}" for why, b in beyond) or "nothing we know of"
+        return f"| {name} | {what} | {human_bytes(peak)} | {fits} |"
+
+    lines += [f"The estimator's peak for our runtime on a GPU (its worst rank, in {t.model.dtype}): {human_bytes(ours)}"
+              + (f" of the {human_bytes(budget)} budget." if budget else " (no memory budget)."),
+              "What each framework's command holds beyond it (the notes above say why), added as if at one "
+              "moment: an upper bound.", "",
+              "| framework | beyond ours | peak, at most | within the budget |", "|---|---|---:|---|",
+              row("our runtime (torchrun.sh)", []).replace("nothing we know of", "-")]
+    lines += [row(f"{x.framework} ({x.filename})", x.beyond_ours) for x in translations
+              if x.content is not None and x.beyond_ours is not None]
+    return lines
