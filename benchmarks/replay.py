@@ -55,12 +55,13 @@ class Replay:
         Path(log_dir).mkdir(parents=True, exist_ok=True)  # the controller writes result.json there
         return dict(self.records[spec.layout])
 
-    def calibrate(self, measured, model, hardware, device="cuda", dtype=None):
-        key = (hardware.peak_tflops,) + tuple(
+    def calibrate(self, measured, model, hardware, device="cuda", dtype=None, grad_dtype=None):
+        key = (hardware.peak_tflops, dtype, grad_dtype) + tuple(
             (str(layout), t.get("status"), t.get("reason"), t.get("step_time_s"), t.get("comm_fraction"),
              t.get("exposed_comm_fraction"), t.get("peak_mem_bytes")) for layout, t in measured)
         if key not in self.calibrations:
-            self.calibrations[key] = calibrate(measured, model, hardware, device=device, dtype=dtype)
+            self.calibrations[key] = calibrate(measured, model, hardware, device=device, dtype=dtype,
+                                               grad_dtype=grad_dtype)
         return self.calibrations[key]
 
     @staticmethod
