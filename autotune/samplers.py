@@ -10,7 +10,8 @@ layout is never measured twice and an invalid combination is never proposed:
     tpe     Optuna's multivariate TPE over the keys that are free: dp follows from
             tp, pp and cp, and a drawn combination is folded onto the layout it runs
             as (keys that change nothing reset, vpp what the schedule runs, dp_shard
-            = dp where the drawn value does not divide dp); a proposal that is still
+            = dp where the space gives no such shard group at that dp, zero 2 at pp=1
+            the space's zero 3); a proposal that is still
             invalid or taken is drawn again, and after a few misses a random untaken
             layout is used
     model   the estimator's ranking, re-fitted to the measured trials before every
@@ -99,6 +100,12 @@ class TpeSampler(LayoutSampler):
         self.tpe = TPESampler(multivariate=True, seed=seed, n_startup_trials=5)
         self.free = {key: d for key, d in self.distributions.items() if key != "dp"}  # dp = gpus / (tp pp cp)
         self.draws = self.valid_draws = 0  # TPE's proposals, and those that folded onto a layout of the space
+        # The shard-group sizes the space gives each data-parallel degree (a space says
+        # "dp" or a size, e.g. [dp, 8]); TPE draws a size from all of them at once.
+        self.shards: dict[int, set[int]] = {}
+        for layout in layouts:
+            self.shards.setdefault(layout.dp, set()).add(layout.dp_shard)
+        self.unpiped_zeros = {layout.zero for layout in layouts if layout.pp == 1}
 
     def choose(self, study, trial, candidates):
         allowed = {self.params_key(layout): layout for layout in candidates}
@@ -113,15 +120,19 @@ class TpeSampler(LayoutSampler):
         return self.rng.choice(candidates)
 
     def fold(self, params: dict) -> Layout | None:
-        """The layout a drawn combination runs as, or None where tp pp cp do not divide the GPUs."""
+        """The layout a drawn combination runs as, or None where tp pp cp do not divide the GPUs.
+        dp follows from them; a shard-group size the space does not give that dp means the
+        whole of dp (no HSDP); keys that change nothing at these degrees fold (Layout.canonical)."""
         values = {key: params.get(key, getattr(self.layouts[0], key)) for key in KEYS}
         model_parallel = values["tp"] * values["pp"] * values["cp"]
         gpus = self.layouts[0].world_size
         if gpus % model_parallel:
             return None
         values["dp"] = gpus // model_parallel
-        if values["dp"] % values["dp_shard"]:
+        if values["dp_shard"] not in self.shards.get(values["dp"], ()):  # not a shard group of this dp in the space
             values["dp_shard"] = values["dp"]
+        if values["zero"] == 2 and values["pp"] == 1 and 2 not in self.unpiped_zeros:
+            values["zero"] = 3  # the space's zero 3, which Layout.canonical writes as 2 under PP
         placement = SCHEDULES[values["schedule"]].placement
         if placement != "looped":
             values["vpp"] = 2 if placement == "v" else 1

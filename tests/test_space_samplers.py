@@ -101,6 +101,27 @@ def test_random_and_tpe_propose_each_valid_layout_once(make):
     assert sorted(map(str, proposed)) == sorted(map(str, LAYOUTS))
 
 
+def test_tpe_folds_a_draw_onto_the_layout_it_runs_as():
+    """TPE draws each key on its own; a draw is folded onto the space's layout it names:
+    dp follows from tp pp cp, a shard-group size the space does not give that dp is the
+    whole of dp, zero 2 at pp=1 is the space's zero 3 (which PP layouts record as 2), and
+    keys that change nothing (sp at tp=1) reset."""
+    space = space_from_dict({"layout": {"tp": [1, 2], "pp": [1, 2], "zero": [1, 3],
+                                        "dp_shard": ["dp", 2], "sp": [0, 1]}}, "hsdp")
+    layouts = valid_layouts(TINY, 8, space)
+    sampler = TpeSampler(layouts)
+    base = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "dp_shard": 8, "sp": 0}
+    assert str(sampler.fold(base)) == str(next(l for l in layouts if (l.dp, l.dp_shard, l.zero) == (8, 8, 3)))
+    hsdp = sampler.fold(base | {"dp_shard": 2})
+    assert (hsdp.dp, hsdp.dp_shard) == (8, 2) and hsdp in layouts
+    not_a_group = sampler.fold(base | {"tp": 2, "dp_shard": 8})  # dp is 4: no group of 8
+    assert (not_a_group.dp, not_a_group.dp_shard) == (4, 4) and not_a_group in layouts
+    assert sampler.fold(base | {"zero": 2}).zero == 3
+    assert sampler.fold(base | {"pp": 2, "zero": 2}).zero == 2
+    assert sampler.fold(base | {"sp": 1}).sp == 0
+    assert sampler.fold(base | {"tp": 3}) is None  # 3 does not divide 8 GPUs
+
+
 def test_model_sampler_follows_its_score():
     throughput = {str(layout): (i * 7919) % 101 for i, layout in enumerate(LAYOUTS)}
     sampler = ModelSampler(LAYOUTS, score=lambda study: lambda layout: throughput[str(layout)])
