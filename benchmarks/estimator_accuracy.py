@@ -187,7 +187,7 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None, cases: list =
     lines = ["# Estimator accuracy: trial vs estimator peak memory" + (", MLA and sliding windows" if kinds else ""),
              "", "Regenerate with " + command + f"{today()}, {machine()}.", "",
              "Measured: `autotune trial --json`'s `peak_mem_bytes` (the allocator's live bytes at their peak in each "
-             f"of {STEPS} measured steps after {WARMUP} warm-up steps, median over steps, max over ranks). "
+             f"of {STEPS} measured steps after {WARMUP} warm-up steps, least over steps, max over ranks). "
              "Predicted: `autotune estimate --hardware cpu`'s. Models: "
              + "; ".join(f"`{n}` {json.dumps(MODELS[n])}" for n in used) + ".", ""]
     verdict = True

@@ -3,10 +3,13 @@
 Definition. Each measured step's peak is the most bytes the allocator held for tensors
 during that step: live tensors, including those collectives and DTensor redistributions
 allocate, excluding a communication backend's own scratch (a GPU run's NCCL keeps that
-outside torch's allocator). A rank's peak is the median of its steps' peaks; the trial's
-is the largest over ranks. The median, not the largest, because a step's peak can rise by
-a buffer that a collective backend releases a moment late (below): the typical step is
-what a long run repeats, and one layout measured again gives the same figure.
+outside torch's allocator). A rank's peak is the least of its steps' peaks; the trial's
+is the largest over ranks. The least, because a step's peak can only rise by a buffer that
+a collective backend's thread lets go of after the program did (below), never fall: the
+steps of a steady run hold the same tensors in the same order, so the lowest step is the
+one whose frees all came in program order, which is what a CUDA run counts. Under expert
+parallel a step also holds what its routing sends it (uneven all-to-alls), so there the
+least is the measured step with the lightest routing; the estimator prices even routing.
 
 CUDA: the caching allocator's statistics, reset at the start of every measured step.
 
@@ -33,7 +36,14 @@ this way:
   step, 20.0-20.9 MB per trial. The total shows the unrecorded free: it falls by the
   block's size with no event to explain it (levels), and the block stops counting there.
   The same layout now measures 19,999,456 or 20,038,876 bytes in every trial (0.2%).
-  The median over steps stays, for what is left (a block freed together with another).
+- The caller's own buffers race too: FSDP's all-gather output is the caller's tensor, but
+  gloo's work object holds it until its worker thread lets go, so when the worker is
+  descheduled past the caller's copy-out the block is freed late and unseen, after the
+  next block's all-gather output is allocated. An MLA+MoE model at dp=2 zero=3 (ua in
+  benchmarks/estimator_accuracy.py) measured 8,784,756 or 8,952,192 bytes a step, 1.9%
+  apart, in any order from trial to trial, and a median of three steps took either. The
+  least step is the program's order (the caller frees the block before the next is
+  allocated); with it the same layout measures 8,784,656-8,784,856 bytes in every trial.
 Without the flag (a torch build whose c10 library does not export it) the level is the
 tensors Python reaches when measuring starts plus the running sum of the recorded
 events, which over-counts as described; the result then says so (`memory_source`).
@@ -42,7 +52,6 @@ events, which over-counts as described; the result then says so (`memory_source`
 from __future__ import annotations
 
 import gc
-import statistics
 from typing import NamedTuple
 
 import numpy as np
@@ -177,8 +186,9 @@ def step_peaks(timeline: list[tuple[int, int]], spans: list[tuple[int, int]], st
 
 
 def rank_peak(peaks: list[int]) -> int:
-    """A rank's peak: the median of its measured steps' peaks (module docstring)."""
-    return int(statistics.median(peaks)) if peaks else 0
+    """A rank's peak: the least of its measured steps' peaks (module docstring: a late free
+    only ever raises a step)."""
+    return min(peaks, default=0)
 
 
 def cpu_peak_during(fn) -> int:

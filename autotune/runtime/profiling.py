@@ -21,7 +21,7 @@ warm-up and records the last `steps` on every rank. From the recorded events:
 
 Peak memory is bytes of live tensors, not process RSS, defined and measured in
 runtime/memory.py: per measured step, the allocator's highest level; per rank, the
-median over the steps.
+least of the steps (a backend's thread can only free late).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class RankFigures:
     step_times_s: list[float]
     comm_s: float  # union of communication intervals inside the steps
     exposed_comm_s: float  # the part of it not overlapped by compute
-    peak_mem_bytes: int  # the median of step_peak_mem_bytes (runtime/memory.py)
+    peak_mem_bytes: int  # the least of step_peak_mem_bytes (runtime/memory.py)
     resident_mem_bytes: int  # tensors alive when measuring started
     step_peak_mem_bytes: list[int] = field(default_factory=list)
     memory_source: str = ""  # allocator (CPU running total), allocator statistics (CUDA), profiler events

@@ -154,7 +154,7 @@ def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_
         step_time_s          = median over measured steps of (max over ranks of the step's wall time)
         tokens_per_s         = global_batch_size * seq_len / step_time_s
         mfu                  = flops_per_token * tokens_per_s / (world_size * peak_flops)
-        peak_mem_bytes       = max over ranks of the rank's peak (the median of its steps' peaks)
+        peak_mem_bytes       = max over ranks of the rank's peak (the least of its steps' peaks)
         comm_fraction        = max over ranks (and _mean) of comm time / measured time
         exposed_comm_fraction likewise, for communication not overlapped by compute
 
