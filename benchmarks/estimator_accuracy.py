@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/estimator_accuracy.py --dtype bf16 --repeats 1
     .venv/bin/python benchmarks/estimator_accuracy.py --log OUTPUT  # reuse the peaks a run printed
     .venv/bin/python benchmarks/estimator_accuracy.py --sweeps DIR [DIR ...]
-    .venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16 --repeats 1
+    .venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16
 
 `--kinds` measures the attention kinds apart (KIND_CASES: MLA with an MoE, sliding
 windows) into estimator_accuracy_kinds.md, so that a kind added to the runtime is
@@ -12,7 +12,7 @@ measured without rerunning the whole table.
 
 Each case is measured as a user measures it: `autotune trial --json` in its own
 processes, its `peak_mem_bytes` (the allocator's bytes of live tensors at their peak in
-each measured step, median over the steps, max over ranks: README, Metrics), against
+each measured step, least over the steps, max over ranks: README, Metrics), against
 `autotune estimate --hardware cpu`'s `peak_mem_bytes` for the same model, layout and
 `--dtype` (`bf16-grads`: `--dtype bf16 --grad-dtype bf16`, gradients kept and reduced in
 bf16). The models (MODELS) are shaped unlike any preset or test model: odd widths,
@@ -109,7 +109,7 @@ KIND_CASES = [
 REPEATED = [(2, "u1", "dp=2,zero=0,mbs=2"), (2, "u1", "dp=2,zero=1"), (2, "u1", "dp=2,zero=2,mbs=2"),
             (2, "u2", "dp=2,zero=3"), (4, "u1", "dp=4,dp_shard=2,zero=3"), (2, "u1", "tp=2"),
             (2, "u1", "tp=2,sp=1"), (2, "u1", "pp=2,schedule=1f1b"), (2, "ul", "cp=2"), (2, "um", "ep=2,mbs=2"),
-            (1, "u1", "recompute=full,mbs=2")]
+            (1, "u1", "recompute=full,mbs=2"), (2, "ua", "dp=2,zero=3"), (2, "ua", "ep=2,mbs=2")]
 
 
 def model_file(folder: Path, name: str) -> Path:
@@ -179,8 +179,8 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None, cases: list =
                     print(f"    repeats {peaks}: spread {max(peaks) / min(peaks) - 1:.3%}", flush=True)
 
     kinds = cases is KIND_CASES
-    command = ("`.venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16 --repeats 1` "
-               "(about 10 minutes on two cores). " if kinds else
+    command = ("`.venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16` "
+               "(about 12 minutes on two cores). " if kinds else
                "`.venv/bin/python benchmarks/estimator_accuracy.py` (about 80 minutes on two cores: "
                "three precisions and the repeats). ")
     used = dict.fromkeys(model for _, model, _ in cases)
