@@ -6,7 +6,11 @@ An exported command trains the layout we priced only if the framework's loss hol
 ours holds. torchtitan's `cross_entropy_loss` upcasts the whole logits to fp32 before
 `F.cross_entropy`; Megatron-core's `vocab_parallel_cross_entropy` works on an fp32 copy
 of them and keeps their softmax for backward; ours (autotune_kernels.loss) works in fp32
-chunks and writes the gradient in the logits' dtype.
+chunks and writes the gradient in the logits' dtype. Under tensor parallel the torchtitan
+of December 2024 (its published runs) split the logits over the vocabulary as a DTensor and
+ran the same `F.cross_entropy` on their fp32 copy inside torch's `loss_parallel` (its own
+log-softmax over the shard, with collectives for the row maxima and sums), measured here on
+a one-rank mesh, which holds per logit what each rank of a larger one holds.
 
 Each loss takes the logits from a head, as in a model: hidden [1, tokens, 16] @ [16, vocab],
 the hidden state and the head's weight requiring gradients, so that the logits are freed
@@ -23,12 +27,16 @@ one-process gloo group as its tensor-parallel group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 from results_section import machine, today, write_section
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.components.loss import cross_entropy_loss
 
 from autotune.runtime.memory import cpu_peak_during
@@ -38,18 +46,37 @@ from autotune_kernels.loss import cross_entropy as ours
 HIDDEN = 16  # the head's input width: small beside the vocabulary, so the logits dominate
 
 
-def bytes_per_logit(loss, dtype: torch.dtype, tokens: int, vocab: int) -> float:
-    """The most the allocator held from the head's forward to the end of backward, above what it held before."""
+def bytes_per_logit(loss, dtype: torch.dtype, tokens: int, vocab: int, context=contextlib.nullcontext) -> float:
+    """The most the allocator held from the head's forward to the end of backward, above what
+    it held before; forward and backward inside `context()`."""
     hidden = torch.randn(1, tokens, HIDDEN, dtype=dtype, requires_grad=True)
     head = torch.randn(HIDDEN, vocab, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
 
     def step():
-        loss(hidden @ head, labels).backward()
+        with context():
+            loss(hidden @ head, labels).backward()
 
     for _ in range(2):
         step()
     return cpu_peak_during(step) / (tokens * vocab)
+
+
+def one_process_group() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+
+
+def loss_parallel_loss():
+    """The fp32 cross-entropy on logits split over the vocabulary (a one-rank TP mesh), to run
+    under torch's loss_parallel, as torchtitan's train.py of December 2024 did under TP."""
+    one_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+
+    def loss(logits, labels):
+        split = DTensor.from_local(logits, mesh, [Shard(2)])
+        return torch.nn.functional.cross_entropy(split.flatten(0, 1).float(), labels.flatten(0, 1))
+    return loss
 
 
 def megatron_losses() -> dict:
@@ -61,15 +88,14 @@ def megatron_losses() -> dict:
         from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     except ImportError:
         return {}
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+    one_process_group()
     group = dist.new_group([0])
     parallel_state._TENSOR_MODEL_PARALLEL_GROUP = group  # what initialize_model_parallel(1) would set
     # [batch, seq, vocab] logits, as ours and torchtitan's take them; Megatron's are [seq, batch, vocab]
     return {f"Megatron-core {__version__}, unfused":
-            lambda x, y: vocab_parallel_cross_entropy(x.transpose(0, 1), y.transpose(0, 1)).sum(),
+            (lambda x, y: vocab_parallel_cross_entropy(x.transpose(0, 1), y.transpose(0, 1)).sum(), None),
             f"Megatron-core {__version__}, --cross-entropy-loss-fusion (native)":
-            lambda x, y: fused_vocab_parallel_cross_entropy(x.transpose(0, 1), y.transpose(0, 1), group).sum()}
+            (lambda x, y: fused_vocab_parallel_cross_entropy(x.transpose(0, 1), y.transpose(0, 1), group).sum(), None)}
 
 
 def main() -> None:
@@ -81,12 +107,14 @@ def main() -> None:
     if not track_cpu_allocations():
         raise SystemExit("this torch build's c10 does not export caffe2_report_cpu_memory_usage")
     start = time.perf_counter()
-    losses = {"ours (autotune_kernels.loss)": ours, "torchtitan 0.3.0, eager": cross_entropy_loss,
-              "torchtitan 0.3.0, compiled (--compile.components loss)": torch.compile(cross_entropy_loss),
+    losses = {"ours (autotune_kernels.loss)": (ours, None), "torchtitan 0.3.0, eager": (cross_entropy_loss, None),
+              "torchtitan 0.3.0, compiled (--compile.components loss)": (torch.compile(cross_entropy_loss), None),
+              "torchtitan of 2024-12 under TP, eager (torch's loss_parallel)": (loss_parallel_loss(), loss_parallel),
               **megatron_losses()}
     rows = []
-    for name, loss in losses.items():
-        figures = [bytes_per_logit(loss, dtype, args.tokens, args.vocab) for dtype in (torch.bfloat16, torch.float32)]
+    for name, (loss, context) in losses.items():
+        figures = [bytes_per_logit(loss, dtype, args.tokens, args.vocab, context or contextlib.nullcontext)
+                   for dtype in (torch.bfloat16, torch.float32)]
         rows.append(f"| {name} | {figures[0]:.2f} | {figures[1]:.2f} |")
         print(rows[-1], flush=True)
     text = f"""## What the loss holds at its peak (`loss_memory.py`)
@@ -101,7 +129,9 @@ allocator's highest level less its level before, bytes per logit (the logits inc
 
 The exported torchtitan command compiles the loss (`--compile.enable --compile.components
 loss`), so that torchtitan holds what the estimator prices. Megatron-LM's export says what
-its loss holds beyond ours at the layout (README, Exports).
+its loss holds beyond ours at the layout (README, Exports). The eager figures are what
+torchtitan's published runs of December 2024 held (their loss ran eager; loss_parallel under
+TP): published_runs.py adds them to the estimator's peak where it compares with their memory.
 """
     print(text)
     if not args.no_write:

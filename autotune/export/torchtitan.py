@@ -119,7 +119,7 @@ def torchtitan(t: Target) -> Export:
     args.append(f"activation-checkpoint:{mode}")
     maps.append(Mapping(f"recompute={L.recompute}" + (f":{L.recompute_layers}" if L.recompute_layers else ""),
                         "exact" if exact else "approximate", f"activation-checkpoint:{mode}", note))
-    beyond = [("FSDP's unsharded gradients under PP", _pipeline_gradient_bytes(t)[1])] \
+    beyond = [("FSDP's unsharded gradients under PP", pipeline_gradient_bytes(t)[1])] \
         if L.pp > 1 and L.zero in (2, 3) and L.dp > 1 else []
     return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args, beyond_ours=beyond)
 
@@ -159,7 +159,7 @@ def _data_parallel(t: Target, add) -> None:
             f"forward (zero=2), is written{hsdp}")
 
 
-def _pipeline_gradient_bytes(t: Target) -> tuple[float, float]:
+def pipeline_gradient_bytes(t: Target) -> tuple[float, float]:
     """(what torchtitan holds, what it holds beyond ours) in gradients a rank under PP with
     FSDP: torch's PipelineStage turns gradient reduction off for every micro-batch's backward
     but a stage's last, so FSDP2 accumulates the stage's unsharded gradients in its reduce
@@ -171,7 +171,7 @@ def _pipeline_gradient_bytes(t: Target) -> tuple[float, float]:
 
 
 def _pipeline_gradients_note(t: Target) -> str:
-    held, beyond = _pipeline_gradient_bytes(t)
+    held, beyond = pipeline_gradient_bytes(t)
     return (f"under PP torch's PipelineStage turns FSDP's gradient reduction off until a stage's last "
             f"micro-batch, so torchtitan holds the stage's unsharded {t.model.grad_dtype} gradients through the "
             f"step, {held / GIB:.3g} GiB a rank here, {beyond / GIB:.3g} GiB more than ours (which reduce-scatters "
