@@ -41,9 +41,12 @@ this way:
   descheduled past the caller's copy-out the block is freed late and unseen, after the
   next block's all-gather output is allocated. An MLA+MoE model at dp=2 zero=3 (ua in
   benchmarks/estimator_accuracy.py) measured 8,784,756 or 8,952,192 bytes a step, 1.9%
-  apart, in any order from trial to trial, and a median of three steps took either. The
-  least step is the program's order (the caller frees the block before the next is
-  allocated); with it the same layout measures 8,784,656-8,784,856 bytes in every trial.
+  apart, in any order from trial to trial, and a median of three steps took either. Taking
+  the least step, since a late free only raises one, left two trials of five high on a
+  loaded machine, where every step had the late free. So FSDP's all-gather on the CPU now
+  returns only once gloo has let go of its output (parallel/gloo_release.py): every step
+  of that layout measures 8,784,656-8,784,856 bytes, with two busy processes beside it too.
+  The least step stays, for the other collectives' buffers (a kilobyte at tp=2).
 Without the flag (a torch build whose c10 library does not export it) the level is the
 tensors Python reaches when measuring starts plus the running sum of the recorded
 events, which over-counts as described; the result then says so (`memory_source`).

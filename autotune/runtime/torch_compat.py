@@ -41,6 +41,12 @@ def track_cpu_allocations() -> bool:
     return False
 
 
+def storage_references(tensor: torch.Tensor) -> int:
+    """How many references hold the tensor's storage, in c10 (every tensor or view on it,
+    and what a collective's work object keeps): parallel/gloo_release.py waits on it."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
 def forget_process_groups() -> None:
     """Clear what DTensor memoises by sharding specs: propagation results and redistribution
     plans. A DeviceMesh compares equal to another of the same shape and names whatever

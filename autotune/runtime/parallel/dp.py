@@ -53,6 +53,7 @@ from autotune.runtime.mesh import Meshes
 from autotune.runtime.moe import moe_layers
 from autotune.runtime.parallel.ddp import DataParallel
 from autotune.runtime.parallel.ep import divide_expert_gradients
+from autotune.runtime.parallel.gloo_release import release_in_program_order
 from autotune.runtime.precision import compute_dtype, grad_dtype, mixed_precision_policy
 from autotune.runtime.train import grad_norm
 
@@ -71,14 +72,21 @@ def apply_fully_sharded(model: nn.Module, mesh: Meshes, layout: Layout, cfg: Mod
     if mesh.dims.ep_enabled:
         experts_mesh = mesh.expert_hsdp() if hsdp else mesh["edp_shard"]
         for layer in moe_layers(model).values():
-            fully_shard(layer.experts, mesh=experts_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+            shard(layer.experts, mesh=experts_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
             divide_expert_gradients(layer.experts, layout.ep)
     dense_mesh = mesh.hsdp() if hsdp else mesh["dp_shard_cp"]
     for unit in list(model.layers.values()) + [model.tok_embeddings]:
         if unit is not None:
-            fully_shard(unit, mesh=dense_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+            shard(unit, mesh=dense_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     # The root: backward needs the head first, so it stays gathered from forward to backward.
-    fully_shard(model, mesh=dense_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    shard(model, mesh=dense_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+def shard(module: nn.Module, mesh, **options) -> None:
+    """fully_shard; on the CPU with gloo's all-gather freeing in program order (gloo_release.py)."""
+    fully_shard(module, mesh=mesh, **options)
+    if mesh.device_type == "cpu":
+        release_in_program_order(module)
 
 
 class FullySharded:
