@@ -19,6 +19,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: F401 (DTensor owns no storage)
 
+try:  # FSDP2's interface for a custom all-gather (parallel/gloo_release.py), torch >= 2.8
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FsdpAllGather
+except ImportError:  # pragma: no cover - an older torch keeps FSDP's own all-gather
+    FsdpAllGather = object
+
 try:  # the profiler's event-tree node kinds (allocation records)
     from torch._C._profiler import _EventType as ProfilerEventType
 except ImportError:  # pragma: no cover - older layouts of the module

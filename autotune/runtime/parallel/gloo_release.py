@@ -22,14 +22,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from autotune.runtime.torch_compat import storage_references
+from autotune.runtime.torch_compat import FsdpAllGather, storage_references
 
 RELEASE_TIMEOUT_S = 1.0  # a worker thread that holds the buffer longer is left to free it late
 
 
-class ReleasedAllGather(AllGather):
+class ReleasedAllGather(FsdpAllGather):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
@@ -45,5 +44,6 @@ class ReleasedAllGather(AllGather):
 
 
 def release_in_program_order(module: FSDPModule) -> None:
-    """Give a fully_shard unit on the CPU the all-gather above."""
-    module.set_custom_all_gather(ReleasedAllGather())
+    """Give a fully_shard unit on the CPU the all-gather above (where this torch takes one)."""
+    if FsdpAllGather is not object:
+        module.set_custom_all_gather(ReleasedAllGather())
