@@ -180,8 +180,8 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None, cases: list =
 
     kinds = cases is KIND_CASES
     command = ("`.venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16` "
-               "(about 12 minutes on two cores). " if kinds else
-               "`.venv/bin/python benchmarks/estimator_accuracy.py` (about 80 minutes on two cores: "
+               "(about 4 minutes on two cores). " if kinds else
+               "`.venv/bin/python benchmarks/estimator_accuracy.py` (about 20 minutes on two cores: "
                "three precisions and the repeats). ")
     used = dict.fromkeys(model for _, model, _ in cases)
     lines = ["# Estimator accuracy: trial vs estimator peak memory" + (", MLA and sliding windows" if kinds else ""),
