@@ -16,9 +16,9 @@ memory as the driver reports it). Rows trained in fp8 or MXFP8 are priced in tha
 
 Targets: at least 90% of the layouts that ran are predicted to fit; where the source
 gives memory, what that framework held as the estimator prices it (framework_held: our
-runtime's peak plus what the framework's version held beyond it) within 15% of it. A row with ran=0 is a layout the source
-reports failing with an out-of-memory error: it is checked the other way round and not
-counted in the fit rate.
+runtime's peak plus what the framework's version held beyond it) within 15% of it. A row
+with ran=0 is a layout the source reports failing with an out-of-memory error: it is
+checked the other way round and not counted in the fit rate.
 
 Deterministic, no GPU, a second or two: each row is one estimate of one layout.
 """

@@ -5,6 +5,7 @@ call returned with gloo's work still holding the output in 33 and 54 of 200 call
 two ranks of one run on two cores; the released one in none."""
 
 import pytest
+
 from support.gloo_probe import references_after_all_gathers
 from support.spawn_group import run_on_ranks
 
