@@ -52,10 +52,16 @@ DISTRIBUTED_TESTS = {
 
 
 def pytest_collection_modifyitems(config, items):
+    """Mark the distributed tier, and run the modules that start processes first: xdist hands
+    out whole files in collection order, so the long ones start early and the fast tier's
+    short files fill the end instead of one worker finishing a long file alone."""
     for item in items:
         module = item.module.__name__.rpartition(".")[2]
         if module in DISTRIBUTED_MODULES or f"{module}::{item.originalname}" in DISTRIBUTED_TESTS:
             item.add_marker(pytest.mark.distributed)
+    starts_processes = {item.module.__name__ for item in items if item.get_closest_marker("distributed")}
+    items.sort(key=lambda item: (item.module.__name__.rpartition(".")[2] not in DISTRIBUTED_MODULES,
+                                 item.module.__name__ not in starts_processes))
 
 
 @pytest.hookimpl(wrapper=True)
