@@ -6,7 +6,7 @@ the `quick` space, every layout measured once.
 search_efficiency.py asks the same question on a synthetic landscape; this one uses
 real measurements, small enough to take whole. For each GPU count it runs
 
-    autotune run --model tiny --gpus N --space quick --sampler grid --out results/bench-tiny-Ngpus-quick
+    autotune run --model tiny --gpus N --space quick --sampler grid --exhaustive --out results/bench-tiny-Ngpus-quick
 
 unless that folder already holds a finished sweep (about 20 minutes for 8 processes
 and 10 for 4 on two shared cores), then replays grid, random, tpe and model through the
@@ -73,7 +73,8 @@ def run_sweep(gpus: int) -> float:
     """The whole space, measured (resumes a sweep that was interrupted); its wall seconds."""
     start = time.perf_counter()
     subprocess.run([str(Path(sys.executable).with_name("autotune")), "run", "--model", "tiny", "--gpus", str(gpus),
-                    "--space", "quick", "--sampler", "grid", "--out", str(sweep_dir(gpus))], check=True, cwd=ROOT)
+                    "--space", "quick", "--sampler", "grid", "--exhaustive", "--out", str(sweep_dir(gpus))],
+                   check=True, cwd=ROOT)
     return time.perf_counter() - start
 
 
