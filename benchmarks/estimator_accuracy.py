@@ -292,8 +292,9 @@ def sweep_accuracy(folders: list[str]) -> int:
 
 The estimator against every launched trial of the sweeps {', '.join(f'`{Path(f).name}`' for f in folders)}
 (tiny, `quick` space, CPU; tiny_sweeps.py makes them). Measured peak memory: the trial's
-`peak_mem_gb` (on the CPU the profiler's: live tensors at the start of the measured steps plus
-the highest running sum of its allocation events, max over ranks), over every launched layout
+`peak_mem_gb` (on the CPU the profiler's: each measured step's live tensors at its start plus
+the highest running sum of its allocation events, the least over the steps, max over ranks;
+README, Metrics), over every launched layout
 whether complete or not. Predicted: as the sweep recorded it (`predicted_peak_mem_gb`, priced
 with the calibration fitted to the trials before it) and uncalibrated. Throughput: Spearman rank
 correlation of predicted vs measured tokens/s over the complete trials: as recorded (none for
