@@ -4,12 +4,8 @@ gloo's worker thread runs (runtime/parallel/gloo_release.py, runtime/memory.py).
 call returned with gloo's work still holding the output in 33 and 54 of 200 calls on the
 two ranks of one run on two cores; the released one in none."""
 
-import pytest
-
 from support.gloo_probe import references_after_all_gathers
 from support.spawn_group import run_on_ranks
-
-pytestmark = pytest.mark.distributed
 
 
 def test_the_released_all_gather_leaves_no_reference_to_its_output():

@@ -40,7 +40,7 @@ this way:
   gloo's work object holds it until its worker thread lets go, so when the worker is
   descheduled past the caller's copy-out the block is freed late and unseen, after the
   next block's all-gather output is allocated. An MLA+MoE model at dp=2 zero=3 (ua in
-  benchmarks/estimator_accuracy.py) measured 8,784,756 or 8,952,192 bytes a step, 1.9%
+  benchmarks/estimator_accuracy.py) measured 8,784,856 or 8,952,192 bytes a step, 1.9%
   apart, in any order from trial to trial, and a median of three steps took either. Taking
   the least step, since a late free only raises one, left two trials of five high on a
   loaded machine, where every step had the late free. So FSDP's all-gather on the CPU now
