@@ -22,7 +22,7 @@ class GatedActivation(torch.autograd.Function):
     """act(gate) * up keeping only gate and up for backward, as Megatron-LM's fused
     SwiGLU does: autograd would also keep act(gate), a third tensor of the MLP's width
     per token (4 per width with down's input, 3 here). act(gate) is recomputed in
-    backward; the gradients are the ops autograd runs, in its order."""
+    backward; the gradients are the ops autograd runs, bit for bit."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
@@ -32,15 +32,17 @@ class GatedActivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # In this order at most three tensors of the MLP's width live at once (up's
-        # gradient, the activation's, the gate's), as under autograd's own backward.
+        # Two tensors of the MLP's width beside the incoming gradient, as Megatron-LM's
+        # fused SwiGLU backward (its output is both gradients): the gate's gradient is
+        # written over the activation's, and up's over act(gate). Out of place, as
+        # autograd's own backward, three lived at once. The same ops: the same bits.
         gate, up = ctx.saved_tensors
-        grad_up = grad * _gate_activation(ctx.kind, gate)
-        grad_activated = grad * up
+        grad_gate = grad * up  # the activation's gradient, then the gate's in its place
         if ctx.kind == "swiglu":
-            grad_gate = torch.ops.aten.silu_backward(grad_activated, gate)
+            torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         else:
-            grad_gate = torch.ops.aten.gelu_backward(grad_activated, gate, approximate="tanh")
+            torch.ops.aten.gelu_backward.grad_input(grad_gate, gate, approximate="tanh", grad_input=grad_gate)
+        grad_up = _gate_activation(ctx.kind, gate).mul_(grad)
         return grad_gate, grad_up, None
 
 
