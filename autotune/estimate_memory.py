@@ -7,7 +7,8 @@ The terms (`TERMS`), in the trained precision (fp32, or bf16 mixed precision):
     master_params    zero 0/1 in bf16: the fp32 masters AdamW updates (sliced over the
                      shard ranks at zero 1); FSDP's shards are their own masters
     grads            zero 0/1: the gradient buffer (fp32, or grad_dtype's 2 bytes; always
-                     there); zero 2/3: the fp32 gradient shards, once a micro-batch is reduced
+                     there); zero 2/3: the fp32 gradient shards, once a micro-batch is reduced;
+                     under PP the stage's whole gradients from its first backward
     optimizer        AdamW's two fp32 states (8 bytes, sharded at zero >= 1)
     gathered_params  zero 2/3: the parameters FSDP has gathered (compute dtype)
     activations      what autograd saves, over the micro-batches in flight
@@ -31,8 +32,8 @@ The peak is the largest of a few moments of a step (rank_terms):
   gradients; recompute rebuilds that layer first;
 - optimizer_step: the gradients complete, the state updated in place (torch's fused
   AdamW makes no temporaries), zero 1's all-gather bucket;
-- backward_end (zero 2/3 without PP): FSDP's last reductions, of the head's and the
-  embedding's whole gradients.
+- backward_end (zero 2/3): FSDP's last reductions, of the head's and the embedding's
+  whole gradients; under PP the step's one reduction of the stage's whole gradients.
 
 Activations are the tensors autograd saves, itemised per layer for our block (the
 runtime's model, measured by saved-tensor hooks on the CPU) in the accounting of
@@ -634,12 +635,17 @@ def gathered_params(layout: Layout, prec: Precision, shape: RankShape) -> dict[s
 def overhead_bytes(model: ModelConfig, layout: Layout, device: str) -> float:
     """Token ids on the device: inputs and labels of every micro-batch of the step (on the
     CPU views of one [rows, seq + 1] tensor, on CUDA a copy of each), and under CP the
-    head-tail shards of the current micro-batch's (int64, seq/cp each)."""
+    head-tail shards of the current micro-batch's (int64, seq/cp each). Under PP the
+    trainer cuts every micro-batch's shards first, and joins the step's inputs and its
+    labels into one tensor each for torch's schedule to cut again (pp.py)."""
     rows = layout.mbs * layout.grad_accum(model)
     overhead = 8 * (model.seq_len + 1) * rows if device == "cpu" else \
         16 * model.seq_len * rows + CUDA_FIXED_OVERHEAD_BYTES
+    shard_rows = rows if layout.pp > 1 else layout.mbs
     if layout.cp > 1:
-        overhead += 16 * layout.mbs * model.seq_len / layout.cp
+        overhead += 16 * shard_rows * model.seq_len / layout.cp
+    if layout.pp > 1:
+        overhead += 16 * rows * model.seq_len / layout.cp
     return overhead
 
 
@@ -683,6 +689,14 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
         step_temporaries = max(step_temporaries, prec.master * state.optimizer / prec.optimizer)
     phases["optimizer_step"] = (state.params, state.master_params, state.grads, state.optimizer, 0.0, 0.0,
                                 _pipeline_held(model, layout, prec, shape), 0.0, step_temporaries, overhead)
+    if layout.zero >= 2 and layout.pp > 1:
+        # The step's one reduction (torch's perform_reduce_grad): unit by unit FSDP frees the
+        # gathered parameters and copies the whole gradients into the reduce-scatter's
+        # input; the first unit's copy comes while every other unit's are still held.
+        first_unit = max(shape.root_params, shape.largest_block)
+        phases["backward_end"] = (state.params, state.master_params, prec.grad * state.total, state.optimizer,
+                                  prec.compute * (shape.total_params - first_unit), 0.0, 0.0, 0.0,
+                                  prec.grad * first_unit, overhead)
     if layout.zero >= 2 and layout.pp == 1:
         # The backward's end: FSDP reduces the root (final norm, head) and the embedding
         # last, once their gradients are whole. Both units are gathered, both gradients
@@ -698,14 +712,16 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
 
 def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape):
     """Bytes a pipeline rank holds at its backward peaks besides its layers' activations,
-    as a function of (chunks in flight, postponed weight steps).
+    as a function of (chunks in flight, postponed weight steps, whether a backward of the
+    step has run before).
 
     Outputs: a stage keeps its output (which nothing on the stage saves) until the
     micro-batch's backward; a lowered schedule's send of it is freed then too. The
     gradients a lowered schedule sends backward live until a later message proves them
     arrived (runtime/parallel/pp_sends.py): at most the schedule's gradients_held of
     them, at most m per stage fed across (the count is the most over the step, priced
-    at every peak).
+    at every peak). An unlowered schedule (GPipe, 1F1B) keeps some sends past that in
+    its own locals (Schedule.sends_kept).
     Inputs: a received activation is the stage's input, the tensor its first layer's norm
     saves (counted there); receive buffers live only while a micro-batch is handed over
     (torch_compat.LeanPipelineStage). Split backwards keep, per postponed weight step,
@@ -717,7 +733,15 @@ def _pipeline_extras(model: ModelConfig, layout: Layout, prec: Precision, shape:
     if schedule.lowered and shape.receiving_across:
         held = min(schedule.gradients_held(layout.pp, shape.rank), m * shape.receiving_across)
     postponed_bytes = layout.mbs * model.seq_len / layout.cp * shape.postponed_elements * prec.compute
-    return lambda chunks, postponed: boundary * (held + chunks * per_chunk) + postponed * postponed_bytes
+
+    def extras(chunks: int, postponed: int, after_first: bool) -> float:
+        kept = 0.0
+        if after_first and not schedule.lowered:
+            outputs, gradients = schedule.sends_kept(layout.pp, m, shape.rank, chunks)
+            kept = outputs * per_chunk + gradients * shape.receiving_across
+        return boundary * (held + kept + chunks * per_chunk) + postponed * postponed_bytes
+
+    return extras
 
 
 def _pipeline_held(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape) -> float:
@@ -754,6 +778,7 @@ class MicrobatchBytes(NamedTuple):
     per_chunk: float  # saved activations of one (stage, micro-batch) chunk
     recomputed: float  # what recomputing the last layer rebuilds before its backward
     swiglu: float  # the last layer's MLP backward: the incoming gradient and what it makes
+    swiglu_grad_kept: float  # ... where the down projection's weight gradient stays (FSDP's)
     logits: float
     loss_backward: float
     lse: float
@@ -827,11 +852,32 @@ def _microbatch_bytes(model: ModelConfig, layout: Layout, prec: Precision, shape
         ffn = model.ffn_hidden_size / tp
         incoming += (prec.cast + prec.scale) * (tokens * h + tokens * ffn + h * ffn) if prec.cast else 0.0
     logits, loss_backward = loss_bytes(model, layout, prec)
+    # Then the head's backward: the logits' gradient, the head's weight gradient (a new
+    # tensor: the data parallel's hook or FSDP's accumulation takes it after) and the
+    # hidden states' gradient, in that order. With a vocabulary large next to the tokens
+    # of a micro-batch, this is the moment.
+    head_backward = logits + c * (model.vocab_size / tp * h + tokens * h)
+    loss_backward = max(loss_backward, head_backward)
     lse = 4 * tokens
     final_norm = tokens * SavedTotals.of(norm_saved_tensors(model, c, "final")).per_token(tp, sp) if shape.last \
         else 0.0
     swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
-    return MicrobatchBytes(per_chunk, recomputed, swiglu, logits, loss_backward, lse, final_norm)
+    return MicrobatchBytes(per_chunk, recomputed, swiglu, incoming + weight_grad + 2 * ffn_grad, logits, loss_backward,
+                           lse, final_norm)
+
+
+def gradients_held(layout: Layout, prec: Precision, state: State, after_first: bool) -> float:
+    """Gradients a rank holds during a backward: zero 0/1's buffer, always; FSDP's shards
+    once a micro-batch's have been reduced in this step. Under PP FSDP reduces once, after
+    the stage's last backward (torch's schedules turn its reduction off for every
+    micro-batch, runtime/parallel/pp.py, as in torchtitan): from a stage's first backward
+    to then it holds the stage's whole gradients in the reduce dtype, and no shard (the
+    optimizer step sets them to None)."""
+    if not state.sharded:
+        return state.grads
+    if not after_first:
+        return 0.0
+    return prec.grad * state.total if layout.pp > 1 else state.grads
 
 
 def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: RankShape, state: State,
@@ -847,17 +893,19 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
       incoming gradient, then the down projection's weight gradient (a moment, until the
       gradient hook has added it into the buffer; FSDP keeps it, with the rest of the
       block's, until the block's reduce-scatter) and the product's gradient (tokens x
-      ffn), then two tokens x ffn gradients more than the tensors it frees. Recompute
-      rebuilds that layer first.
-    Gradients: zero 0/1's buffer is always there; FSDP's shards only once a micro-batch has
-    been reduced in this step.
+      ffn), then one tokens x ffn gradient more than the tensors it frees (two gradients
+      made, the product freed). Recompute rebuilds that layer first. On the first stage
+      the embedding's backward, its weight gradient beside the hidden states', can be
+      heavier.
+    Gradients: gradients_held.
     Under PP: micro-batches whose backward has not started keep, on the last stage, the
     final norm's saved tensors and their logits (the schedule keeps each stage's output
     until its backward). A stage but the last keeps its output for each micro-batch in
     flight (_pipeline_extras). Chunks in flight spread evenly over the rank's stages, but
     for the last stage of a V schedule, which holds one.
     """
-    per_chunk, recomputed, swiglu, logits, loss_backward, lse, final_norm = microbatch_bytes(model, layout, prec, shape)
+    per_chunk, recomputed, swiglu_added, swiglu_kept, logits, loss_backward, lse, final_norm = \
+        microbatch_bytes(model, layout, prec, shape)
     c, m, v = prec.compute, layout.grad_accum(model), stage_chunks(layout)
     peaks: dict[str, tuple[float, ...]] = {}
 
@@ -865,27 +913,43 @@ def _backward_peaks(model: ModelConfig, layout: Layout, prec: Precision, shape: 
         if phase not in peaks or sum(terms) > sum(peaks[phase]):
             peaks[phase] = terms
 
-    extras = _pipeline_extras(model, layout, prec, shape) if layout.pp > 1 else lambda chunks, postponed: 0.0
-    for chunks, postponed in points:
-        accumulating = m * v > chunks
-        grads = state.grads if not state.sharded or accumulating else 0.0
-        stored = chunks * per_chunk
-        pipeline = extras(chunks, postponed)
-        if not shape.last:
-            keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu)
-        elif layout.pp == 1:
-            # FSDP reduces the root's gradients (final norm, head) only when the whole
-            # backward ends: the head's unsharded gradient lives through every layer's.
-            head_grad = c * shape.head_params if state.sharded else 0.0
-            keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu + head_grad)
-            keep("loss_backward", grads, stored + final_norm, pipeline, logits + lse, loss_backward)
-        else:
-            # V schedules run the last stage's backward right after its forward. Under a
-            # split backward the others have had their input step, which frees the logits
-            # and keeps the head's output gradient instead (as large).
-            schedule = SCHEDULES[layout.schedule]
-            waiting = 0 if schedule.v_shape else max(1, chunks // v) - 1
-            saved = waiting * (final_norm + logits + (0.0 if schedule.split_backward else lse))
-            keep("layer_backward", grads, stored + recomputed + saved, pipeline, logits, swiglu)
-            keep("loss_backward", grads, stored + final_norm + saved, pipeline, logits + lse, loss_backward)
+    extras = _pipeline_extras(model, layout, prec, shape) if layout.pp > 1 else lambda *moment: 0.0
+    for point_chunks, postponed in points:
+        # A point with every chunk of the step in flight is the rank's first backward: no
+        # gradient yet. One backward later it holds one chunk less, and the gradients.
+        moments = [(point_chunks, m * v > point_chunks)]
+        if point_chunks == m * v > 1:
+            moments.append((point_chunks - 1, True))
+        for chunks, after_first in moments:
+            grads = gradients_held(layout, prec, state, after_first)
+            # The down projection's weight gradient is a new tensor that zero 0/1's hook, or
+            # FSDP's accumulation under PP after the first backward, adds into what is held;
+            # otherwise FSDP keeps it with the rest of the block's until their reduction.
+            swiglu = swiglu_kept if state.sharded and (layout.pp == 1 or not after_first) else swiglu_added
+            stored = chunks * per_chunk
+            pipeline = extras(chunks, postponed, after_first)
+            if shape.first:
+                # The embedding's backward ends the micro-batch's: its weight gradient (a
+                # new tensor, as the head's) beside the hidden states' gradient and, under PP,
+                # the gradient the stage received (it lives through the stage's backward).
+                keep("layer_backward", grads, stored - per_chunk, pipeline, 0.0,
+                     c * (shape.root_params - shape.head_params)
+                     + boundary_bytes(model, layout, prec) * (2 if layout.pp > 1 else 1))
+            if not shape.last:
+                keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu)
+            elif layout.pp == 1:
+                # FSDP reduces the root's gradients (final norm, head) only when the whole
+                # backward ends: the head's unsharded gradient lives through every layer's.
+                head_grad = c * shape.head_params if state.sharded else 0.0
+                keep("layer_backward", grads, stored + recomputed, pipeline, 0.0, swiglu + head_grad)
+                keep("loss_backward", grads, stored + final_norm, pipeline, logits + lse, loss_backward)
+            else:
+                # V schedules run the last stage's backward right after its forward. Under a
+                # split backward the others have had their input step, which frees the logits
+                # and keeps the head's output gradient instead (as large).
+                schedule = SCHEDULES[layout.schedule]
+                waiting = 0 if schedule.v_shape else max(1, chunks // v) - 1
+                saved = waiting * (final_norm + logits + (0.0 if schedule.split_backward else lse))
+                keep("layer_backward", grads, stored + recomputed + saved, pipeline, logits, swiglu)
+                keep("loss_backward", grads, stored + final_norm + saved, pipeline, logits + lse, loss_backward)
     return peaks

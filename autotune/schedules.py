@@ -66,6 +66,13 @@ class Schedule:
       few actions later. Counted from torch's action lists at m >= pp
       (tests/test_pipeline_sends.py); the activations a rank sends are its stage outputs,
       freed with them at their backward.
+    sends_kept(pp, m, rank, chunks): for a schedule torch runs unlowered, the sends whose
+      tensors its step function still references (the works or ops it keeps in locals)
+      at a backward after the rank's first, with `chunks` in flight: (outputs besides those
+      in flight, gradients sent backward). GPipe waits every send at the end of its
+      forwards and of its backwards and keeps the works till then; 1F1B keeps the works of
+      the warm-up's last fired send through the steady phase, and the ops of the last
+      backward's send until the next backward has run.
     """
 
     name: str
@@ -81,6 +88,7 @@ class Schedule:
     microbatch_rule: Callable[[int, int], str | None] = _any
     postponed: Callable[[int, int, int, int, int], list[tuple[int, int]]] | None = None
     gradients_held: Callable[[int, int], int] | None = None
+    sends_kept: Callable[[int, int, int, int], tuple[int, int]] = lambda pp, m, rank, chunks: (0, 0)
 
     @property
     def v_shape(self) -> bool:
@@ -125,11 +133,13 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     # All forwards, then all backwards: every micro-batch in flight.
     Schedule("gpipe", "ScheduleGPipe", "GPipe", "1f1b", "single", False, False,
              in_flight=lambda pp, m, v, rank: m,
-             bubble=lambda f, b, w: f + b + w),
+             bubble=lambda f, b, w: f + b + w,
+             sends_kept=lambda pp, m, rank, chunks: (m - chunks, m - chunks)),
     Schedule("1f1b", "Schedule1F1B", "1F1B", "1f1b", "single", False, False,
              in_flight=lambda pp, m, v, rank: min(pp - rank, m),
              bubble=lambda f, b, w: f + b + w,
-             microbatch_rule=_at_least(1, "pp")),
+             microbatch_rule=_at_least(1, "pp"),
+             sends_kept=lambda pp, m, rank, chunks: (int(min(m, pp - rank) >= 2), 1)),
     Schedule("interleaved_1f1b", "ScheduleInterleaved1F1B", "Interleaved1F1B", "interleaved_1f1b", "looped",
              False, True,
              in_flight=lambda pp, m, v, rank: min((v - 1) * _round(pp, m) + 2 * (pp - 1 - rank) + 1, m * v),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import json
 import os
 import queue
@@ -68,6 +69,7 @@ def _run_specs(specs: list[str], with_params: bool) -> list[dict]:
             result["params"] = {name: t.flatten().tolist() for name, t in sorted(params.items())}
         results.append(result)
         del keep
+        gc.collect()  # as autotune's pool ranks do between trials: a trial's cycles are not the next one's
     return results
 
 
