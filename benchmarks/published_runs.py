@@ -37,7 +37,7 @@ from autotune.config import GIB, as_trained, load_hardware, load_model
 from autotune.estimate import estimate
 from autotune.estimate_memory import TERMS, layer_bytes, pipeline_shapes, rank_memory
 from autotune.export import Target
-from autotune.export.torchtitan import EAGER_LOSS_BYTES, pipeline_gradient_bytes
+from autotune.export.torchtitan import EAGER_LOSS_BYTES
 from autotune.layout import resolve
 
 HERE = Path(__file__).parent
@@ -196,9 +196,9 @@ def framework_held(row: dict) -> Held:
     peaks (estimate_memory.rank_memory) plus what that framework's version held beyond them.
     torchtitan: an eager loss (`loss` column; its train.py of December 2024 left the loss
     uncompiled) holds EAGER_LOSS_BYTES a logit, EAGER_LOSS_PARALLEL_BYTES under TP, where ours
-    holds the logits and our loss's buffers (the terms at loss_backward); under PP with FSDP its
-    pipeline stage accumulates the stage's unsharded gradients through the backward
-    (export.torchtitan.pipeline_gradient_bytes), where ours keeps reduced shards."""
+    holds the logits and our loss's buffers (the terms at loss_backward). Under PP with FSDP
+    its pipeline stage accumulates the stage's unsharded gradients through the backward, as
+    ours does (the estimator prices them)."""
     model = row_model(row)
     hardware = load_hardware(HARDWARE[row["hardware"]])
     layout = row_layout(row, model, hardware)
@@ -206,16 +206,12 @@ def framework_held(row: dict) -> Held:
     target = Target(layout, model, int(row["gpus"]), hardware.gpus_per_host)
     eager = (EAGER_LOSS_PARALLEL_BYTES if layout.tp > 1 else EAGER_LOSS_BYTES) * target.logits \
         if row["loss"] == "eager" else 0.0
-    unsharded = pipeline_gradient_bytes(target)[1] \
-        if row["framework"] == "torchtitan" and layout.pp > 1 and layout.zero >= 2 else 0.0
     best = Held(-1.0, {}, "", 0)
     for shape in pipeline_shapes(model, layout):
         for phase, terms in rank_memory(model, layout, "cuda", shape).items():
             beyond = {}
             if phase == "loss_backward" and eager:
                 beyond["eager loss"] = max(0.0, eager - terms["logits"] - terms["temporaries"])
-            if "backward" in phase and unsharded:
-                beyond["unsharded gradients under PP"] = unsharded
             total = sum(terms.values()) + sum(beyond.values())
             if total > best.peak_bytes:
                 best = Held(total, beyond, phase, shape.rank)
@@ -488,9 +484,9 @@ def write_report(priced, path: Path = OUT) -> bool:
           f"loss commented out; column `loss`): {EAGER_LOSS_BYTES} bytes a logit at its peak, "
           f"{EAGER_LOSS_PARALLEL_BYTES} under TP's loss_parallel (loss_memory.py), where ours holds the logits "
           "and our loss's buffers (4.3 bytes a logit in bf16). Under PP torch's pipeline stage turns FSDP's "
-          "gradient reduction off until a stage's last micro-batch, so it accumulates the stage's unsharded fp32 "
-          "gradients through the backward (export.torchtitan.pipeline_gradient_bytes). The June 2025 runs "
-          "compiled the loss (as our export does) and ran no PP: nothing is added.", "",
+          "gradient reduction off until a stage's last micro-batch, in torchtitan as in ours, so both accumulate "
+          "the stage's unsharded fp32 gradients through the backward: priced, nothing is added. The June 2025 "
+          "runs compiled the loss (as our export does): nothing is added.", "",
           "Their `Memory(GiB)` is the peak *reserved* by PyTorch's caching allocator "
           "(`torch.cuda.max_memory_reserved`, what torchtitan logs as `memory:`), maximum over ranks; the "
           "estimator prices live tensors (the allocator's *allocated/active* peak), below reserved by what the "

@@ -31,11 +31,13 @@ def test_presets_hold_the_fitted_efficiencies_and_held_out_rows_come_within_the_
     assert statistics.median(abs(e) for e in errors) <= published_runs.TOKENS_TARGET
 
 
-def test_what_torchtitan_held_is_ours_plus_its_eager_loss_and_its_gradients_under_pp():
+def test_what_torchtitan_held_is_ours_plus_its_eager_loss():
     """The memory comparison prices torchtitan as it ran: llama3-8b at mbs 2 x 8192 on 8 GPUs
     (tt-a1, December 2024, loss eager) holds 12 bytes a logit for the loss where ours holds the
     logits and our loss's buffers; June 2025's run (tt-c1, loss compiled) holds what ours does;
-    405B under PP (tt-a13) also holds its stage's unsharded fp32 gradients in backward."""
+    405B under PP (tt-a13) holds its stage's unsharded fp32 gradients in backward, as ours:
+    the estimator prices them (7/8 of them more than the shards a reduction per micro-batch
+    would keep)."""
     rows = {r["id"]: r for r in published_runs.load_rows()}
     eager, compiled, piped = rows["tt-a1"], rows["tt-c1"], rows["tt-a13"]
     held, ours = published_runs.framework_held(eager), published_runs.price(eager)
@@ -44,6 +46,7 @@ def test_what_torchtitan_held_is_ours_plus_its_eager_loss_and_its_gradients_unde
     assert held.peak_bytes - ours.peak_mem_bytes == held.beyond["eager loss"]
     assert held.beyond["eager loss"] == 12 * logits - ours.memory["logits"] - ours.memory["temporaries"]
     assert published_runs.framework_held(compiled).peak_bytes == published_runs.price(compiled).peak_mem_bytes
-    under_pp = published_runs.framework_held(piped)
-    assert 20 * 2**30 < under_pp.beyond["unsharded gradients under PP"] < 24 * 2**30  # 6.3e9 params x 4 B x 7/8
-    assert under_pp.peak_bytes > published_runs.price(piped).peak_mem_bytes + 20 * 2**30
+    under_pp = published_runs.price(piped)
+    assert "unsharded gradients under PP" not in published_runs.framework_held(piped).beyond
+    assert under_pp.peak_phase.endswith("backward")
+    assert 20 * 2**30 < under_pp.memory["grads"] - under_pp.memory["params"] < 24 * 2**30  # 6.3e9 params x 4 B x 7/8

@@ -119,9 +119,7 @@ def torchtitan(t: Target) -> Export:
     args.append(f"activation-checkpoint:{mode}")
     maps.append(Mapping(f"recompute={L.recompute}" + (f":{L.recompute_layers}" if L.recompute_layers else ""),
                         "exact" if exact else "approximate", f"activation-checkpoint:{mode}", note))
-    beyond = [("FSDP's unsharded gradients under PP", pipeline_gradient_bytes(t)[1])] \
-        if L.pp > 1 and L.zero in (2, 3) and L.dp > 1 else []
-    return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args, beyond_ours=beyond)
+    return Export("torchtitan", "torchtitan.sh", script(t, maps, args), maps, args=args, beyond_ours=[])
 
 
 def _loss_note(t: Target) -> str:
@@ -144,14 +142,14 @@ def _data_parallel(t: Target, add) -> None:
              "torchtitan always shards the weights over the cp ranks (FSDP over dp_shard x cp); ours keeps "
              "them whole"))
         return
-    reshard = "always" if L.zero == 3 else "never"
+    reshard = "always" if L.zero == 3 and L.pp == 1 else "never"  # under PP ours keeps them gathered (dp.py)
     values = {"parallelism.data_parallel_replicate_degree": L.dp_replicate,
               "parallelism.data_parallel_shard_degree": L.dp_shard,
               "parallelism.fsdp_reshard_after_forward": reshard}
     hsdp = "; HSDP across the replicas" if L.dp_shard < L.dp else ""
     if L.zero in (2, 3):
         under_pp = f"; {_pipeline_gradients_note(t)}" if L.pp > 1 else ""
-        add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero={L.zero}", "exact" if L.pp == 1 else "approximate", values,
+        add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero={L.zero}", "exact", values,
             f"FSDP2 over dp_shard (x cp){hsdp}{under_pp}")
     else:
         add(f"dp={L.dp}, dp_shard={L.dp_shard}, zero=1", "approximate", values,
@@ -159,23 +157,12 @@ def _data_parallel(t: Target, add) -> None:
             f"forward (zero=2), is written{hsdp}")
 
 
-def pipeline_gradient_bytes(t: Target) -> tuple[float, float]:
-    """(what torchtitan holds, what it holds beyond ours) in gradients a rank under PP with
-    FSDP: torch's PipelineStage turns gradient reduction off for every micro-batch's backward
-    but a stage's last, so FSDP2 accumulates the stage's unsharded gradients in its reduce
-    dtype (FSDPParam.to_accumulated_grad_if_needed) through the step; ours reduce-scatters
-    each micro-batch's and keeps the shard (1 / (dp_shard x cp) of them)."""
-    L, m = t.layout, t.model
-    unsharded = max(rank_shape(m, L, rank).total_params for rank in range(L.pp)) * (2 if m.grad_dtype == "bf16" else 4)
-    return unsharded, unsharded * (1 - 1 / (L.dp_shard * L.cp))
-
-
 def _pipeline_gradients_note(t: Target) -> str:
-    held, beyond = pipeline_gradient_bytes(t)
+    held = max(rank_shape(t.model, t.layout, rank).total_params for rank in range(t.layout.pp)) * \
+        (2 if t.model.grad_dtype == "bf16" else 4)
     return (f"under PP torch's PipelineStage turns FSDP's gradient reduction off until a stage's last "
-            f"micro-batch, so torchtitan holds the stage's unsharded {t.model.grad_dtype} gradients through the "
-            f"step, {held / GIB:.3g} GiB a rank here, {beyond / GIB:.3g} GiB more than ours (which reduce-scatters "
-            "each micro-batch's)")
+            f"micro-batch, so torchtitan, as ours, holds the stage's unsharded {t.model.grad_dtype} gradients "
+            f"through the step ({held / GIB:.3g} GiB a rank here, priced) and reduces them once")
 
 
 def _pipeline(t: Target, add) -> None:
