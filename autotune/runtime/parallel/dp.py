@@ -34,7 +34,8 @@ the start of backward (FSDP's default for the root: backward needs the head firs
 Gradient accumulation: zero 2/3 reduce-scatter every micro-batch's gradients and keep
 only the shard (what ZeRO-2 promises, as torchtitan does), so no unsharded gradient
 outlives a micro-batch's backward. Under pipeline parallel torch's schedules turn sync off
-for every micro-batch and reduce once after the stage's last backward (pp.py); zero 3 then
+for every micro-batch and reduce once after the stage's last backward (pp.py), so a stage
+holds its whole gradients from its first backward to that reduction; zero 3 then
 keeps its parameters gathered between micro-batches as zero 2 does
 (reshard_after_forward=False).
 

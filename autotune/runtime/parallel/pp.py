@@ -23,7 +23,12 @@ FSDP under PP: each stage is its own FSDP root. The schedules turn gradient sync
 resharding after backward off for every micro-batch and, once a stage's last backward
 is done, run FSDP's post-backward themselves (`perform_reduce_grad`): one
 reduce-scatter (zero 2/3) or all-reduce (zero 0/1) per step. With scale_grads=False
-they do not rescale gradients afterwards. The runtime builds FSDP with
+they do not rescale gradients afterwards. So from a stage's first backward to that
+reduction the rank holds the stage's whole gradients (in FSDP's reduce dtype), not their
+shards. Kept as torch and torchtitan have it, the layout's verdict being torchtitan's: a
+reduce-scatter per micro-batch would hold only the shards but multiply the data-parallel
+traffic by the micro-batches of a step (4 to 64 in pipelines); the estimator prices the
+whole gradients (estimate_memory.gradients_held). The runtime builds FSDP with
 reshard_after_forward=False under PP (dp.py), so the gathered parameters stay from the
 step's first forward to that reduction; zero 3 then behaves as zero 2. The multi-stage
 schedules also gather each stage's parameters explicitly before its first action
