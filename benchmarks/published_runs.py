@@ -437,8 +437,8 @@ def reading_lines(priced) -> list[str]:
         "parameter below an fp32 buffer (up to 48 GiB on a 405B rank at TP4 PP8).",
         "- **torchtitan's reported peaks.** Our runtime's own peak lands "
         f"{statistics.median(ours_errors):+.0%} (median; {min(ours_errors):+.0%} to {max(ours_errors):+.0%}) "
-        "below what torchtitan reported: its loss of December 2024 and its unsharded gradients under PP are "
-        "what torchtitan held and our runtime does not. With them (`held`) the median is "
+        "below what torchtitan reported: its loss of December 2024 is what torchtitan held and our runtime "
+        "does not (under PP both hold a stage's unsharded gradients, priced). With it (`held`) the median is "
         f"{statistics.median(held_errors):+.1%} ({min(held_errors):+.1%} to {max(held_errors):+.1%}). "
         "Every row stays below the reserved figure: what is left is the allocator's reserve and torchtitan's "
         "eager elementwise temporaries (its RMSNorm and rotary embedding upcast to fp32; the Table 1 and 3 "
@@ -446,7 +446,7 @@ def reading_lines(priced) -> list[str]:
         "and for which the sources give no active-memory figure to check against. The rows of 8k-token "
         "sequences run with torch.compile (tt-a2, tt-a3, tt-a9, tt-a10, and June 2025's tt-c with its loss "
         "compiled too) come within 8-13%; the eager ones (tt-a1, tt-a8), those of 32k to 256k tokens a "
-        "sequence, 70B at 16 sequences a rank under TP and 405B under PP, 15-24% below.", ""]
+        "sequence, 70B at 16 sequences a rank under TP and 405B under PP, 15-23% below.", ""]
 
 
 def write_report(priced, path: Path = OUT) -> bool:
