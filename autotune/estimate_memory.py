@@ -855,8 +855,10 @@ def _microbatch_bytes(model: ModelConfig, layout: Layout, prec: Precision, shape
     # Then the head's backward: the logits' gradient, the head's weight gradient (a new
     # tensor: the data parallel's hook or FSDP's accumulation takes it after) and the
     # hidden states' gradient, in that order. With a vocabulary large next to the tokens
-    # of a micro-batch, this is the moment.
-    head_backward = logits + c * (model.vocab_size / tp * h + tokens * h)
+    # of a micro-batch, this is the moment. The logits themselves are freed by then but
+    # under PP, where the schedule keeps the stage's output until its backward is done
+    # (the phase counts the logits apart: here only what exceeds them).
+    head_backward = logits + c * (model.vocab_size / tp * h + tokens * h) - (logits if layout.pp == 1 else 0.0)
     loss_backward = max(loss_backward, head_backward)
     lse = 4 * tokens
     final_norm = tokens * SavedTotals.of(norm_saved_tensors(model, c, "final")).per_token(tp, sp) if shape.last \

@@ -18,8 +18,8 @@ each measured step, least over the steps, max over ranks: README, Metrics), agai
 bf16). The models (MODELS) are shaped unlike any preset or test model: odd widths,
 GQA, a vocabulary large next to the hidden size, a long sequence, an MoE with a shared
 expert. The layouts cover every dimension: DP with ZeRO 0-3 and HSDP, TP with and
-without SP, PP under every schedule, CP, EP, each recompute mode, recompute_layers,
-and mbs > 1 with gradient accumulation, alone and composed.
+without SP, PP under every schedule (with ZeRO 0-3), CP, EP, each recompute mode,
+recompute_layers, and mbs > 1 with gradient accumulation, alone and composed.
 
 Repeats: one layout per dimension (REPEATED) runs `--repeats` times (the accuracy run
 is the first); the spread (max - min) / min of its peaks shows how reproducible a
@@ -99,6 +99,9 @@ CASES = [
     (4, "u1", "pp=2,dp=2,zero=1,schedule=interleaved_1f1b,vpp=2"), (4, "ul", "cp=2,tp=2"),
     (4, "ul", "cp=2,dp=2,zero=2"), (4, "u1", "pp=4,schedule=1f1b"), (4, "um", "ep=2,zero=1"),
     (4, "um", "ep=2,tp=2,sp=1"), (4, "um", "pp=2,ep=2,schedule=1f1b"),
+    # FSDP stages under PP: torch's schedules reduce once a step, so a stage holds its whole gradients
+    (4, "u1", "pp=2,dp=2,zero=2,schedule=1f1b,mbs=2"), (4, "u2", "pp=2,dp=2,zero=3,schedule=gpipe"),
+    (4, "u1", "pp=2,dp=2,zero=2,schedule=interleaved_1f1b,vpp=2"), (4, "um", "pp=2,dp=2,zero=2,schedule=zbv,vpp=2"),
 ]
 KIND_CASES = [
     (1, "ua", "mbs=2"), (1, "ua", "recompute=selective,mbs=2"), (2, "ua", "tp=2,sp=1"), (2, "ua", "ep=2,mbs=2"),
@@ -181,7 +184,7 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None, cases: list =
     kinds = cases is KIND_CASES
     command = ("`.venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16` "
                "(about 4 minutes on two cores). " if kinds else
-               "`.venv/bin/python benchmarks/estimator_accuracy.py` (about 20 minutes on two cores: "
+               "`.venv/bin/python benchmarks/estimator_accuracy.py` (about 35 minutes on two cores: "
                "three precisions and the repeats). ")
     used = dict.fromkeys(model for _, model, _ in cases)
     lines = ["# Estimator accuracy: trial vs estimator peak memory" + (", MLA and sliding windows" if kinds else ""),
