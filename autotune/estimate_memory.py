@@ -694,7 +694,8 @@ def rank_terms(model: ModelConfig, layout: Layout, device: str, shape: RankShape
         # gathered parameters and copies the whole gradients into the reduce-scatter's
         # input; the first unit's copy comes while every other unit's are still held.
         first_unit = max(shape.root_params, shape.largest_block)
-        phases["backward_end"] = (state.params, state.master_params, prec.grad * state.total, state.optimizer,
+        phases["backward_end"] = (state.params, state.master_params, gradients_held(layout, prec, state, True),
+                                  state.optimizer,
                                   prec.compute * (shape.total_params - first_unit), 0.0, 0.0, 0.0,
                                   prec.grad * first_unit, overhead)
     if layout.zero >= 2 and layout.pp == 1:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import shlex
 
 from autotune.config import GIB
-from autotune.estimate_memory import rank_shape
+from autotune.estimate_memory import precision, rank_shape
 from autotune.export import Export, Mapping, Target, comment_block, flag_lines
 from autotune.schedules import SCHEDULES
 
@@ -159,7 +159,7 @@ def _data_parallel(t: Target, add) -> None:
 
 def _pipeline_gradients_note(t: Target) -> str:
     held = max(rank_shape(t.model, t.layout, rank).total_params for rank in range(t.layout.pp)) * \
-        (2 if t.model.grad_dtype == "bf16" else 4)
+        precision(t.model, "cuda").grad
     return (f"under PP torch's PipelineStage turns FSDP's gradient reduction off until a stage's last "
             f"micro-batch, so torchtitan, as ours, holds the stage's unsharded {t.model.grad_dtype} gradients "
             f"through the step ({held / GIB:.3g} GiB a rank here, priced) and reduces them once")
