@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/estimator_accuracy.py --dtype bf16 --repeats 1
     .venv/bin/python benchmarks/estimator_accuracy.py --log OUTPUT  # reuse the peaks a run printed
     .venv/bin/python benchmarks/estimator_accuracy.py --sweeps DIR [DIR ...]
-    .venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16
+    .venv/bin/python benchmarks/estimator_accuracy.py --kinds       # the three precisions, two repeated
 
 `--kinds` measures the attention kinds apart (KIND_CASES: MLA with an MoE, sliding
 windows) into estimator_accuracy_kinds.md, so that a kind added to the runtime is
@@ -182,8 +182,8 @@ def main(dtypes: list[str], repeats: int, log: Path | None = None, cases: list =
                     print(f"    repeats {peaks}: spread {max(peaks) / min(peaks) - 1:.3%}", flush=True)
 
     kinds = cases is KIND_CASES
-    command = ("`.venv/bin/python benchmarks/estimator_accuracy.py --kinds --dtype fp32 --dtype bf16` "
-               "(about 4 minutes on two cores). " if kinds else
+    command = ("`.venv/bin/python benchmarks/estimator_accuracy.py --kinds` (about 6 minutes on two cores: "
+               "three precisions and the repeats). " if kinds else
                "`.venv/bin/python benchmarks/estimator_accuracy.py` (about 35 minutes on two cores: "
                "three precisions and the repeats). ")
     used = dict.fromkeys(model for _, model, _ in cases)
