@@ -8,8 +8,8 @@ real measurements, small enough to take whole. For each GPU count it runs
 
     autotune run --model tiny --gpus N --space quick --sampler grid --exhaustive --out results/bench-tiny-Ngpus-quick
 
-unless that folder already holds a finished sweep (about 5 minutes for 8 processes
-and 3.5 for 4 on two cores, on the warm pool), then replays grid, random, tpe and model through the
+unless that folder already holds a finished sweep (5 to 6 minutes for 8 processes
+and 3.5 to 4.5 for 4 on two cores, on the warm pool), then replays grid, random, tpe and model through the
 shipped controller (replay.py), each launch answered with the sweep's own record of
 that layout (trials/N/result.json, the figures and the outcome the trial returned),
 under the question the sweep stored with its study (so the same comm threshold).
