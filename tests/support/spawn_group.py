@@ -31,11 +31,13 @@ from autotune.config import ModelConfig, load_model
 from autotune.trialspec import TrialSpec
 
 
-def gathered_parameters(model) -> dict:
-    """{plain name: full fp32 tensor} of every parameter, gathered over every mesh dim.
+def gathered_parameters(model) -> dict | None:
+    """{plain name: full fp32 tensor} of every parameter, gathered over every mesh dim, on
+    rank 0 (None on the others).
 
-    Each rank gathers the DTensor shards it holds; pipeline stages hold different
-    parameters, so the per-rank dicts are merged on all ranks."""
+    Each rank gathers the DTensor shards it holds (a collective: every rank calls this);
+    pipeline stages hold different parameters, so the per-rank dicts are merged on rank 0,
+    the one whose results the test reads."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -47,8 +49,10 @@ def gathered_parameters(model) -> dict:
         for name, param in part.named_parameters():
             full = param.full_tensor() if isinstance(param, DTensor) else param
             mine[plain_name(name)] = full.detach().float().cpu()
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if everyone is None:
+        return None
     merged = {}
     for d in everyone:
         merged.update(d)
@@ -73,23 +77,27 @@ def destroy_mesh_groups(meshes) -> None:
     forget_process_groups()
 
 
-def _run_specs(specs: list[str], with_params: bool) -> list[dict]:
-    """Every spec on the current process group, in order; rank 0's results (the others
-    are the same trial seen from another rank)."""
+def _run_specs(specs: list[str], with_params: bool) -> list[dict] | None:
+    """Every spec on the current process group, in order; rank 0's results, None on the
+    others (the same trial seen from another rank). Only rank 0 answers with the trained
+    weights: every rank serialising a third of a million floats per layout was a sixth of
+    a numerics test's CPU."""
+    import torch.distributed as dist
+
     from autotune.runtime.trial import run
 
     results = []
     for text in specs:
         keep: dict = {}
         result = run(TrialSpec.from_json(text), keep=keep)
-        if with_params:
-            params = gathered_parameters(keep["trainer"].model)
+        params = gathered_parameters(keep["trainer"].model) if with_params else None
+        if params is not None:
             result["params"] = {name: t.flatten().tolist() for name, t in sorted(params.items())}
         results.append(result)
         destroy_mesh_groups(keep["mesh"])
         del keep
         gc.collect()  # as autotune's pool ranks do between trials: a trial's cycles are not the next one's
-    return results
+    return results if dist.get_rank() == 0 else None
 
 
 def _serve(rank: int, world_size: int, tasks, answers, environment: dict) -> None:
