@@ -79,6 +79,16 @@ def loss_parallel_loss():
     return loss
 
 
+def torchtitan_2024_03_loss(logits, labels):
+    """torchtitan's train.py of March 2024 (its FSDP2 runs, published_runs.csv tt-e): the model's
+    head returned `.float()` logits, which train.py kept (`pred`) until the step ended, and
+    F.cross_entropy ran on them eager."""
+    pred = logits.float()
+    loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
+    loss.pred = pred  # referenced through backward, as train.py's `pred` was
+    return loss
+
+
 def megatron_losses() -> dict:
     """Megatron-core's two native cross-entropies on a one-process tensor-parallel group, or none."""
     try:
@@ -110,6 +120,7 @@ def main() -> None:
     losses = {"ours (autotune_kernels.loss)": (ours, None), "torchtitan 0.3.0, eager": (cross_entropy_loss, None),
               "torchtitan 0.3.0, compiled (--compile.components loss)": (torch.compile(cross_entropy_loss), None),
               "torchtitan of 2024-12 under TP, eager (torch's loss_parallel)": (loss_parallel_loss(), loss_parallel),
+              "torchtitan of 2024-03, eager (fp32 head output kept through backward)": (torchtitan_2024_03_loss, None),
               **megatron_losses()}
     rows = []
     for name, (loss, context) in losses.items():
@@ -131,7 +142,9 @@ The exported torchtitan command compiles the loss (`--compile.enable --compile.c
 loss`), so that torchtitan holds what the estimator prices. Megatron-LM's export says what
 its loss holds beyond ours at the layout (README, Exports). The eager figures are what
 torchtitan's published runs of December 2024 held (their loss ran eager; loss_parallel under
-TP): published_runs.py adds them to the estimator's peak where it compares with their memory.
+TP), and those of the torchtitan of March 2024 and of Megatron's unfused cross-entropy what
+the runs of published_runs.csv with an active or allocated figure held: published_runs.py
+adds them to the estimator's peak where it compares with their memory.
 """
     print(text)
     if not args.no_write:

@@ -14,7 +14,8 @@ Each is priced in-process with `autotune.estimate.estimate` at the row's sequenc
 length and global batch, against the row's memory budget (`budget_gib`, the GPU's
 memory as the driver reports it). Rows trained in fp8 or MXFP8 are priced in that precision
 (`priced_as`), and each row's gradients in the precision its framework keeps them
-(`grad_dtype`: bf16 in Megatron-Bridge's perf recipes, fp32 in torchtitan).
+(`grad_dtype`: bf16 in Megatron-Bridge's perf recipes, fp32 in torchtitan and in the two
+Megatron logs, which reduce in fp32).
 
 Targets: at least 90% of the layouts that ran are predicted to fit; where the source
 gives memory, what that framework held as the estimator prices it (framework_held: our
@@ -39,6 +40,7 @@ from autotune.config import GIB, as_trained, load_hardware, load_model
 from autotune.estimate import estimate
 from autotune.estimate_memory import TERMS, layer_bytes, pipeline_shapes, rank_memory
 from autotune.export import Target
+from autotune.export.megatron import LOSS_PEAK_BYTES as MEGATRON_UNFUSED_LOSS_BYTES
 from autotune.export.torchtitan import EAGER_LOSS_BYTES
 from autotune.layout import resolve
 
@@ -51,6 +53,10 @@ FIT_TARGET, MEMORY_TARGET, TOKENS_TARGET = 0.90, 0.15, 0.12
 # on the fp32 copy of vocabulary-split logits inside torch's loss_parallel, bytes a logit at its
 # peak, the logits included (benchmarks/loss_memory.py; 12 without TP: EAGER_LOSS_BYTES).
 EAGER_LOSS_PARALLEL_BYTES = 16
+# torchtitan's loss as its train.py of March 2024 ran it (the tt-e rows): the head's `.float()`
+# output kept by train.py until the step ended, F.cross_entropy eager on it; bytes a logit at
+# its peak, the logits included, from bf16 logits (benchmarks/loss_memory.py).
+EAGER_FP32_HEAD_BYTES = 16
 
 # The hardware preset whose links and peak FLOP/s price the time of each GPU (memory is
 # the row's budget_gib, so the preset's own memory does not matter).
@@ -198,24 +204,32 @@ class Held(NamedTuple):
 def framework_held(row: dict) -> Held:
     """The most a rank of the row's run held: our runtime's bytes at each rank's candidate
     peaks (estimate_memory.rank_memory) plus what that framework's version held beyond them.
-    torchtitan: an eager loss (`loss` column; its train.py of December 2024 left the loss
-    uncompiled) holds EAGER_LOSS_BYTES a logit, EAGER_LOSS_PARALLEL_BYTES under TP, where ours
-    holds the logits and our loss's buffers (the terms at loss_backward). Under PP with FSDP
-    its pipeline stage accumulates the stage's unsharded gradients through the backward, as
-    ours does (the estimator prices them)."""
+    The `loss` column names what the framework's loss held where ours holds the logits and
+    our loss's buffers (the terms at loss_backward): torchtitan's eager loss (its train.py of
+    December 2024 left the loss uncompiled) EAGER_LOSS_BYTES a logit, EAGER_LOSS_PARALLEL_BYTES
+    under TP; that of March 2024 (`eager-fp32-head`) EAGER_FP32_HEAD_BYTES; Megatron's unfused
+    cross-entropy (`megatron-unfused`, without --cross-entropy-loss-fusion) the bytes the
+    Megatron-LM export prices. Nothing else is added: under PP with FSDP torchtitan's stage
+    accumulates the stage's unsharded gradients through the backward, as ours does (priced),
+    and Megatron holds the state ours holds for the layouts here (bf16 parameters, fp32
+    gradients and the distributed optimizer's fp32 shards: its log's own count of them is
+    the estimator's within 0.1%)."""
     model = row_model(row)
     hardware = load_hardware(HARDWARE[row["hardware"]])
     layout = row_layout(row, model, hardware)
     model = as_trained(model, "cuda", row["priced_as"], row["grad_dtype"])
     target = Target(layout, model, int(row["gpus"]), hardware.gpus_per_host)
-    eager = (EAGER_LOSS_PARALLEL_BYTES if layout.tp > 1 else EAGER_LOSS_BYTES) * target.logits \
-        if row["loss"] == "eager" else 0.0
+    per_logit = {"eager": EAGER_LOSS_PARALLEL_BYTES if layout.tp > 1 else EAGER_LOSS_BYTES,
+                 "eager-fp32-head": EAGER_FP32_HEAD_BYTES,
+                 "megatron-unfused": MEGATRON_UNFUSED_LOSS_BYTES[2 if model.dtype != "fp32" else 4]}
+    theirs = per_logit[row["loss"]] * target.logits if row["loss"] in per_logit else 0.0
+    label = "unfused loss" if row["loss"] == "megatron-unfused" else "eager loss"
     best = Held(-1.0, {}, "", 0)
     for shape in pipeline_shapes(model, layout):
         for phase, terms in rank_memory(model, layout, "cuda", shape).items():
             beyond = {}
-            if phase == "loss_backward" and eager:
-                beyond["eager loss"] = max(0.0, eager - terms["logits"] - terms["temporaries"])
+            if phase == "loss_backward" and theirs:
+                beyond[label] = max(0.0, theirs - terms["logits"] - terms["temporaries"])
             total = sum(terms.values()) + sum(beyond.values())
             if total > best.peak_bytes:
                 best = Held(total, beyond, phase, shape.rank)
@@ -233,8 +247,8 @@ def source_memory(row: dict) -> str:
     """The source's memory figure with its kind, and the reserved peak where it gives both."""
     if not row["source_mem_gib"]:
         return "-"
-    reserved = f", {float(row['source_reserved_gib']):.1f} reserved" if row["source_reserved_gib"] else ""
-    return f"{float(row['source_mem_gib']):.1f} {row['source_mem_kind']}{reserved}"
+    reserved = f", {row['source_reserved_gib']} reserved" if row["source_reserved_gib"] else ""
+    return f"{row['source_mem_gib']} {row['source_mem_kind']}{reserved}"
 
 
 def summary_lines(priced) -> tuple[list[str], bool]:
@@ -250,9 +264,7 @@ def summary_lines(priced) -> tuple[list[str], bool]:
     return lines, ok
 
 
-MEMORY_KINDS = {"allocated": "allocated peak (Megatron's memory report)",
-                "active": "active peak (torchtitan's FSDP2 pull request)",
-                "reserved": "reserved peak (torchtitan's pages)"}
+MEMORY_KINDS = {"allocated": "allocated peak", "active": "active peak", "reserved": "reserved peak"}
 
 
 def error_lines(priced) -> tuple[list[str], bool]:
@@ -436,13 +448,14 @@ def reading_lines(priced) -> list[str]:
         ours = layer_bytes(model, False, 2, False, tp, tp > 1, "none")
         ratios.append(f"tp={tp}: {ours / 1024:.0f} KiB against {megatron_layer_bytes(model, tp) / 1024:.0f} KiB "
                       f"({ours / megatron_layer_bytes(model, tp):.2f}x)")
-    with_memory = [(r, error_of(r, e), e) for r, e in priced if r["source_mem_kind"] == "reserved"]
+    reserved_rows = [(r, error_of(r, e), e) for r, e in priced if r["source_mem_kind"] == "reserved"]
     allocated = [(r, error_of(r, e)) for r, e in priced if r["source_mem_kind"] == "allocated"]
     active = [(r, error_of(r, e)) for r, e in priced if r["source_mem_kind"] == "active"]
     reserve = {r["id"]: float(r["source_reserved_gib"]) / float(r["source_mem_gib"]) - 1
                for r, _ in allocated + active}
-    ours_errors = [e.peak_mem_bytes / (float(r["source_mem_gib"]) * GIB) - 1 for r, _, e in with_memory]
-    held_errors = [err for _, err, _ in with_memory]
+    ours_errors = [e.peak_mem_bytes / (float(r["source_mem_gib"]) * GIB) - 1 for r, _, e in reserved_rows]
+    held_errors = [err for _, err, _ in reserved_rows]
+    active_reserve = [reserve[r["id"]] for r, _ in active]
     return [
         "## Reading the differences", "",
         "- **Activations under tensor and sequence parallel.** The estimator's layer (our runtime's block) saves "
@@ -466,27 +479,27 @@ def reading_lines(priced) -> list[str]:
         "Every row stays below the reserved figure: what is left is the allocator's reserve and torchtitan's "
         "eager elementwise temporaries (its RMSNorm and rotary embedding upcast to fp32; the Table 1 and 3 "
         "pairs differ by 5 GiB with and without torch.compile alone), neither of which the estimator prices; "
-        "the benchmark pages give no active figure, but torchtitan's own runs of March 2024 do (next two "
-        "items): their reserved peaks were 20-36% above their active ones. The rows of 8k-token "
+        "the benchmark pages give no active figure, but torchtitan's own runs of March 2024 do (the last "
+        f"item): their reserved peaks were {min(active_reserve):.0%} to {max(active_reserve):.0%} above their "
+        "active ones. The rows of 8k-token "
         "sequences run with torch.compile (tt-a2, tt-a3, tt-a9, tt-a10, and June 2025's tt-c with its loss "
         "compiled too) come within 8-13%; the eager ones (tt-a1, tt-a8), those of 32k to 256k tokens a "
         "sequence, 70B at 16 sequences a rank under TP and 405B under PP, 15-23% below.",
         "- **Megatron's allocated peaks.** Against the one figure that is the estimator's own definition, the "
         "rows of Megatron logs land " + ", ".join(f"{err:+.1%} ({r['id']})" for r, err in allocated)
-        + ". The same reports put the reserved peak " + " and ".join(f"{reserve[r['id']]:.1%}" for r, _ in allocated)
+        + " (mg-2 with its unfused cross-entropy added). The same reports put the reserved peak "
+        + " and ".join(f"{reserve[r['id']]:.1%}" for r, _ in allocated)
         + " above the allocated one: Megatron's DDP keeps its gradients in one contiguous buffer and caches "
-        "little. Of mg-2's gap, Megatron of March 2025 "
-        "computed an unfused cross-entropy (`cross_entropy_loss_fusion` off by default), whose fp32 copies of "
-        "the logits our runtime's loss does not make; mg-1 ran the fused one.",
+        "little.",
         "- **torchtitan's active peaks.** Against torchtitan's own active figure the estimator lands "
         + ", ".join(f"{err:+.1%} ({r['id']}, recompute={r['recompute']})" for r, err in active)
         + "; the same runs reserved " + " and ".join(f"{reserve[r['id']]:.0%}" for r, _ in active)
-        + " more than they held active. An eager FSDP2 run caches that much beyond its live tensors (all-gather "
-        "and reduce-scatter buffers on their own streams, eager fp32 temporaries of many sizes), which is why "
-        "every row priced against a reserved figure lands below it. What the estimator leaves out of tt-e1 "
-        "(full recompute, where the transient tensors of one recomputed layer are a larger share of the peak) "
-        "is torchtitan's eager elementwise work in fp32: its RMSNorm and rotary embedding upcast the "
-        "activations, and the head's fp32 logits stay referenced until the step ends.", ""]
+        + " more than they held active: an eager FSDP2 run caches much beyond its live tensors (all-gather "
+        "and reduce-scatter buffers on their own streams, eager fp32 temporaries of many sizes). That is "
+        "consistent with every row priced against a reserved figure landing below it, though it was measured "
+        "on one model, eager, with the torchtitan of 2024-03, and compiled runs may cache less. What the "
+        "estimator still leaves out of these two is torchtitan's eager elementwise work in fp32 (its RMSNorm "
+        "and rotary embedding upcast the activations), a larger share of the peak under full recompute.", ""]
 
 
 def write_report(priced, path: Path = OUT) -> bool:
@@ -523,14 +536,18 @@ def write_report(priced, path: Path = OUT) -> bool:
           "Megatron's training log reports each rank's memory once (`report_memory`: allocated, max allocated, "
           "reserved, max reserved, from `torch.cuda`): its *max allocated* is the definition the estimator prices "
           "(the peak of live tensors), so those rows (`source_mem_kind` allocated, taken from public logs that "
-          "print every argument of the run) check the estimator directly. Megatron holds what our runtime holds "
-          "for these layouts (bf16 parameters, fp32 gradients, the distributed optimizer's fp32 shards), so "
-          "nothing is added; its log's own 'theoretical' weight-and-optimizer figure equals the estimator's four "
-          "state terms within 0.1% on both rows.", "",
+          "print every argument of the run) check the estimator directly. Megatron holds the state our runtime "
+          "holds for these layouts (bf16 parameters, fp32 gradients, the distributed optimizer's fp32 shards): "
+          "its log's own 'theoretical' weight-and-optimizer figure equals the estimator's four state terms within "
+          "0.1% on both rows. mg-2 ran Megatron's unfused cross-entropy (no `--cross-entropy-loss-fusion`; column "
+          f"`loss`): {MEGATRON_UNFUSED_LOSS_BYTES[2]} bytes a bf16 logit at its peak, as the Megatron-LM export "
+          "prices it, where ours holds the logits and our loss's buffers. mg-1 ran the fused one, whose GPU peak "
+          "is not measured here: nothing is added.", "",
           "torchtitan's move to FSDP2 (pull request 165, March 2024) gives its *active* peak (live tensors, and "
           "blocks freed but still in use by another stream) beside the reserved one for Llama 2 7B on 8 H100s "
           "(tt-e1, tt-e2): the same definition up to the cross-stream blocks, measured on torchtitan itself. "
-          "Its head returned fp32 logits and the loss ran eager: priced as the eager loss below.", "",
+          "Its head returned fp32 logits, which its train.py kept until the step ended, and F.cross_entropy ran "
+          f"eager on them: {EAGER_FP32_HEAD_BYTES} bytes a logit at the peak (loss_memory.py; column `loss`).", "",
           "torchtitan's benchmark pages give the *reserved* peak. Its loss ran "
           "eager in the runs of December 2024 (train.py at the benchmark's commit left `torch.compile` of the "
           f"loss commented out; column `loss`): {EAGER_LOSS_BYTES} bytes a logit at its peak, "
