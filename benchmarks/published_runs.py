@@ -484,7 +484,11 @@ def reading_lines(priced) -> list[str]:
         "active ones. The rows of 8k-token "
         "sequences run with torch.compile (tt-a2, tt-a3, tt-a9, tt-a10, and June 2025's tt-c with its loss "
         "compiled too) come within 8-13%; the eager ones (tt-a1, tt-a8), those of 32k to 256k tokens a "
-        "sequence, 70B at 16 sequences a rank under TP and 405B under PP, 15-23% below.",
+        "sequence, 70B at 16 sequences a rank under TP and 405B under PP, 15-23% below. The page's own figures "
+        "are not settled either: torchtitan's issue 1344 "
+        "(https://github.com/pytorch/torchtitan/issues/1344, June 2025) reports a rerun of Table 2's layout (FSDP 8, "
+        "32k tokens, full recompute, float8, compiled) peaking well below the page's figure, and asks whether the "
+        "page's settings were others.",
         "- **Megatron's allocated peaks.** Against the one figure that is the estimator's own definition, the "
         "rows of Megatron logs land " + ", ".join(f"{err:+.1%} ({r['id']})" for r, err in allocated)
         + " (mg-2 with its unfused cross-entropy added). The same reports put the reserved peak "
