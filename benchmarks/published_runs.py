@@ -41,6 +41,7 @@ from autotune.estimate import estimate
 from autotune.estimate_memory import TERMS, layer_bytes, pipeline_shapes, rank_memory
 from autotune.export import Target
 from autotune.export.megatron import LOSS_PEAK_BYTES as MEGATRON_UNFUSED_LOSS_BYTES
+from autotune.export.megatron import loss_bytes as megatron_loss_bytes
 from autotune.export.torchtitan import EAGER_LOSS_BYTES
 from autotune.layout import resolve
 
@@ -61,8 +62,7 @@ EAGER_FP32_HEAD_BYTES = 16
 # The hardware preset whose links and peak FLOP/s price the time of each GPU (memory is
 # the row's budget_gib, so the preset's own memory does not matter).
 HARDWARE = {"h100-80gb": "h100-sxm", "h100-96gb": "h100-sxm", "a100-80gb": "a100-80gb", "a100-64gb": "a100-80gb",
-            "h200": "h200",
-            "b200": "b200", "b300": "b300", "gb200": "gb200", "gb300": "gb300"}
+            "h200": "h200", "b200": "b200", "b300": "b300", "gb200": "gb200", "gb300": "gb300"}
 # The GPUs whose fitted compute efficiency is the preset's (its compute_efficiency): all but
 # torchtitan's H100s, which ran at a 500 W power limit (700 W is the SXM part's TDP) and get
 # a factor of their own, kept here.
@@ -219,10 +219,10 @@ def framework_held(row: dict) -> Held:
     layout = row_layout(row, model, hardware)
     model = as_trained(model, "cuda", row["priced_as"], row["grad_dtype"])
     target = Target(layout, model, int(row["gpus"]), hardware.gpus_per_host)
-    per_logit = {"eager": EAGER_LOSS_PARALLEL_BYTES if layout.tp > 1 else EAGER_LOSS_BYTES,
-                 "eager-fp32-head": EAGER_FP32_HEAD_BYTES,
-                 "megatron-unfused": MEGATRON_UNFUSED_LOSS_BYTES[2 if model.dtype != "fp32" else 4]}
-    theirs = per_logit[row["loss"]] * target.logits if row["loss"] in per_logit else 0.0
+    held_by_loss = {"eager": (EAGER_LOSS_PARALLEL_BYTES if layout.tp > 1 else EAGER_LOSS_BYTES) * target.logits,
+                    "eager-fp32-head": EAGER_FP32_HEAD_BYTES * target.logits,
+                    "megatron-unfused": megatron_loss_bytes(target)[0]}
+    theirs = held_by_loss.get(row["loss"], 0.0)
     label = "unfused loss" if row["loss"] == "megatron-unfused" else "eager loss"
     best = Held(-1.0, {}, "", 0)
     for shape in pipeline_shapes(model, layout):
@@ -264,16 +264,16 @@ def summary_lines(priced) -> tuple[list[str], bool]:
     return lines, ok
 
 
-MEMORY_KINDS = {"allocated": "allocated peak", "active": "active peak", "reserved": "reserved peak"}
+MEMORY_KINDS = ("allocated", "active", "reserved")
 
 
 def error_lines(priced) -> tuple[list[str], bool]:
     lines, ok = [], True
     for label, subset in (("all", priced), ("bf16", [p for p in priced if precision_class(p[0]) == "bf16"]),
                           ("fp8", [p for p in priced if precision_class(p[0]) == "fp8"]),
-                          *((text, [p for p in priced if p[0]["source_mem_kind"] == kind])
-                            for kind, text in MEMORY_KINDS.items())):
-        errors = [error_of(r, e) for r, e in subset if error_of(r, e) is not None]
+                          *((f"{kind} peak", [p for p in priced if p[0]["source_mem_kind"] == kind])
+                            for kind in MEMORY_KINDS)):
+        errors = [x for x in (error_of(r, e) for r, e in subset) if x is not None]
         if not errors:
             continue
         within = sum(abs(x) <= MEMORY_TARGET for x in errors)
