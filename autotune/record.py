@@ -44,7 +44,8 @@ PROFILED_METRICS = ("peak_mem_bytes", "comm_fraction", "exposed_comm_fraction")
 METRICS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu") + PROFILED_METRICS
 # What the study keeps of a trial's JSON in its Optuna user attributes: the metrics and
 # the facts needed to read them.
-RECORDED_KEYS = METRICS + ("grad_accum", "world_size", "duration_s", "peak_tflops", "losses", "step_times_s")
+RECORDED_KEYS = METRICS + ("grad_accum", "world_size", "duration_s", "peak_tflops", "losses", "step_times_s",
+                           "reserved_mem_bytes")
 # The estimator's prediction of each, kept as predicted_<name>.
 PREDICTED_KEYS = ("peak_mem_bytes", "tokens_per_s", "step_time_s", "mfu", "comm_fraction")
 

@@ -501,7 +501,13 @@ def reading_lines(priced) -> list[str]:
         + " more than they held active: an eager FSDP2 run caches much beyond its live tensors (all-gather "
         "and reduce-scatter buffers on their own streams, eager fp32 temporaries of many sizes). That is "
         "consistent with every row priced against a reserved figure landing below it, though it was measured "
-        "on one model, eager, with the torchtitan of 2024-03, and compiled runs may cache less. What the "
+        "on one model, eager, with the torchtitan of 2024-03, and compiled runs may cache less. Those runs "
+        "also predate torchtitan's launcher setting `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` "
+        "(run_llama_train.sh, pull request 643, October 2024), with which the allocator maps memory into "
+        "one growing segment per stream instead of reserving separate segments, fragmenting less; whether the "
+        "December 2024 benchmark runs had it the page "
+        "does not say (they ran on Meta's cluster). Megatron-Bridge leaves it off by default and recommends "
+        "it (its performance guide). What the "
         "estimator still leaves out of these two is torchtitan's eager elementwise work in fp32 (its RMSNorm "
         "and rotary embedding upcast the activations), a larger share of the peak under full recompute.", ""]
 

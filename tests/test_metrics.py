@@ -14,7 +14,7 @@ import torch
 from autotune.config import load_model
 from autotune.layout import resolve
 from autotune.runtime.peak_flops import gemm_flops, peak_flops
-from autotune.runtime.trial import GIB, is_out_of_memory, memory_budget
+from autotune.runtime.trial import GIB, is_out_of_memory, measurements, memory_budget
 from autotune.trialspec import TrialSpec
 from support.spawn_group import run_layouts
 
@@ -120,6 +120,17 @@ def test_trial_figures_follow_their_formulas():
         assert state <= resident <= 1.01 * state
         assert peak > resident + layer_inputs
     assert r["memory_budget_bytes"] is None
+    # what a caching allocator reserves beyond the live peak: CUDA's figure; the CPU's caches nothing
+    assert r["reserved_mem_bytes"] is None and r["reserved_mem_bytes_per_rank"] == [None, None]
+
+
+def test_the_reserved_figure_is_the_largest_ranks():
+    """On CUDA each rank reports the allocator's reserved peak; the trial's is the largest."""
+    rank = dict(step_times_s=[0.1], peak_mem_bytes=10, resident_mem_bytes=5, step_peak_mem_bytes=[10],
+                memory_source="allocator statistics", comm_fraction=0.0, exposed_comm_fraction=0.0,
+                peak_flops=1e12, trace_file=None)
+    figures = measurements(TINY, 2, [dict(rank, reserved_mem_bytes=14), dict(rank, reserved_mem_bytes=12)], "given")
+    assert figures["reserved_mem_bytes"] == 14 and figures["reserved_mem_bytes_per_rank"] == [14, 12]
 
 
 def test_cli_trial_over_a_tiny_memory_budget_is_pruned_oom_with_its_figures(tmp_path):

@@ -141,6 +141,10 @@ class RankFigures:
     resident_mem_bytes: int  # tensors alive when measuring started
     step_peak_mem_bytes: list[int] = field(default_factory=list)
     memory_source: str = ""  # allocator (CPU running total), allocator statistics (CUDA), profiler events
+    # CUDA: the most the caching allocator held from the device over the measured steps
+    # (torch.cuda.max_memory_reserved): live tensors plus the blocks it caches and cannot reuse.
+    # The CPU allocator caches nothing, so there it is None.
+    reserved_mem_bytes: int | None = None
     trace_file: str | None = None
 
     @property
@@ -157,7 +161,7 @@ class RankFigures:
 
 
 def analyze(events: EventTable | list[Event], step_peak_mem_bytes: list[int], resident_mem_bytes: int,
-            memory_source: str = "") -> RankFigures:
+            memory_source: str = "", reserved_mem_bytes: int | None = None) -> RankFigures:
     """Step times and (exposed) communication time of one rank's recorded events, with the
     memory figures measured beside them."""
     events = as_table(events)
@@ -168,7 +172,8 @@ def analyze(events: EventTable | list[Event], step_peak_mem_bytes: list[int], re
     return RankFigures(step_times_s=[(end - start) / 1e9 for start, end in steps],
                        comm_s=total(comm) / 1e9, exposed_comm_s=total(exposed) / 1e9,
                        peak_mem_bytes=rank_peak(step_peak_mem_bytes), resident_mem_bytes=resident_mem_bytes,
-                       step_peak_mem_bytes=list(step_peak_mem_bytes), memory_source=memory_source)
+                       step_peak_mem_bytes=list(step_peak_mem_bytes), memory_source=memory_source,
+                       reserved_mem_bytes=reserved_mem_bytes)
 
 
 # -- the profiler around a training loop -------------------------------------------------------
@@ -233,6 +238,7 @@ class StepProfiler:
         self._failing = False
         self._resident = 0
         self._cuda_step_peaks: list[int] = []
+        self._cuda_reserved: int | None = None
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with warnings.catch_warnings():  # "won't be using warmup": intended when warmup is 0
             warnings.simplefilter("ignore")
@@ -264,6 +270,7 @@ class StepProfiler:
             synchronize(self.device)
         if measured and self.device.type == "cuda":
             self._cuda_step_peaks.append(torch.cuda.max_memory_allocated(self.device))
+            self._cuda_reserved = max(self._cuda_reserved or 0, torch.cuda.max_memory_reserved(self.device))
         self._done += 1
         self._profiler.step()  # after the last measured step this stops and analyses
         if self._done == self.warmup:
@@ -298,7 +305,7 @@ class StepProfiler:
             timeline = levels(memory, resident)
             peaks = step_peaks(timeline, step_spans(self.events), resident)
             source = "allocator" if self.allocator_tracked else "profiler events"
-        self.figures = analyze(self.events, peaks, resident, source)
+        self.figures = analyze(self.events, peaks, resident, source, self._cuda_reserved)
         if len(self.figures.step_times_s) != self.steps:
             raise RuntimeError(f"StepProfiler: recorded {len(self.figures.step_times_s)} steps, "
                                f"expected {self.steps}")

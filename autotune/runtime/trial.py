@@ -43,7 +43,8 @@ from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, die_with_
 # resident bytes behind the peak.
 UNMEASURED_WITHOUT_PROFILER = tuple(f"{name}{suffix}" for name in PROFILED_METRICS
                                     for suffix in ("", "_mean", "_per_rank")) + (
-    "resident_mem_bytes_per_rank", "step_peak_mem_bytes_per_rank", "memory_source")
+    "resident_mem_bytes_per_rank", "step_peak_mem_bytes_per_rank", "memory_source", "reserved_mem_bytes",
+    "reserved_mem_bytes_per_rank")
 
 
 def trial_device(spec: TrialSpec) -> torch.device:
@@ -155,6 +156,7 @@ def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_
         tokens_per_s         = global_batch_size * seq_len / step_time_s
         mfu                  = flops_per_token * tokens_per_s / (world_size * peak_flops)
         peak_mem_bytes       = max over ranks of the rank's peak (the least of its steps' peaks)
+        reserved_mem_bytes   = CUDA: max over ranks of the allocator's reserved peak (None on the CPU)
         comm_fraction        = max over ranks (and _mean) of comm time / measured time
         exposed_comm_fraction likewise, for communication not overlapped by compute
 
@@ -175,13 +177,15 @@ def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_
         "mfu": cfg.flops_per_token() * tokens_per_s / (world_size * flops),
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
         "memory_source": per_rank[0]["memory_source"],
+        "reserved_mem_bytes": max((r["reserved_mem_bytes"] for r in per_rank if r["reserved_mem_bytes"] is not None),
+                                  default=None),
     }
     for name in ("comm_fraction", "exposed_comm_fraction"):
         values = [r[name] for r in per_rank]
         figures.update({name: max(values), f"{name}_mean": statistics.fmean(values)})
     figures.update({f"{name}_per_rank": [r[name] for r in per_rank] for name in (
-        "step_times_s", "peak_mem_bytes", "resident_mem_bytes", "step_peak_mem_bytes", "comm_fraction",
-        "exposed_comm_fraction")})
+        "step_times_s", "peak_mem_bytes", "resident_mem_bytes", "step_peak_mem_bytes", "reserved_mem_bytes",
+        "comm_fraction", "exposed_comm_fraction")})
     figures["peak_tflops_per_rank"] = [r["peak_flops"] / 1e12 for r in per_rank]
     traces = [r["trace_file"] for r in per_rank if r["trace_file"]]
     if traces:
