@@ -74,10 +74,10 @@ def test_pp4_and_pp2_with_every_zero_and_tp_and_clipping_of_sharded_gradients(re
         "pp=4,schedule=1f1b,mbs=2", "pp=4,schedule=interleaved_1f1b,vpp=2,mbs=2",
         "pp=2,dp=2,zero=0,mbs=2", "pp=2,dp=2,zero=1,schedule=interleaved_1f1b,vpp=2,mbs=2",
         "pp=2,dp=2,zero=2,schedule=gpipe,mbs=2", "pp=2,dp=2,zero=3,schedule=zbv,vpp=2,mbs=2",
-        "pp=2,dp=2,dp_shard=1,zero=3,schedule=zero_bubble,vpp=2,mbs=2", "pp=2,tp=2,sp=1,mbs=2",
+        "pp=2,dp=2,dp_shard=1,zero=3,schedule=zero_bubble,vpp=2,mbs=2", "pp=2,tp=2,sp=1,mbs=4",
         # SP regathers each half's input in the input step, for the weight step after it
-        "pp=2,tp=2,sp=1,schedule=zbv,vpp=2,mbs=2")]
-    clipped = [full(text, 4) for text in ("pp=2,tp=2,sp=1,mbs=2", "dp=2,tp=2,zero=3,mbs=4")]
+        "pp=2,tp=2,sp=1,schedule=zbv,vpp=2,mbs=4")]
+    clipped = [full(text, 4) for text in ("pp=2,tp=2,sp=1,mbs=4", "dp=2,tp=2,zero=3,mbs=4")]
     results = run_layouts(4, layouts + [(layout, {"max_grad_norm": MAX_GRAD_NORM}) for layout in clipped],
                           with_params=True)
     assert_same_training(reference, results[:len(layouts)])
@@ -85,5 +85,5 @@ def test_pp4_and_pp2_with_every_zero_and_tp_and_clipping_of_sharded_gradients(re
 
 
 def test_pp2_x_dp2_x_tp2_zero3_sp_and_hsdp_on_8_processes(reference):
-    layouts = [full("pp=2,dp=2,tp=2,zero=3,sp=1,mbs=2", 8), full("pp=2,dp=4,dp_shard=2,zero=3,mbs=2", 8)]
+    layouts = [full("pp=2,dp=2,tp=2,zero=3,sp=1,mbs=4", 8), full("pp=2,dp=4,dp_shard=2,zero=3,mbs=2", 8)]
     assert_same_training(reference, run_layouts(8, layouts, with_params=True))
