@@ -22,10 +22,11 @@ only, and `autotune trial` refuses one with exit code 2.)
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 
 from autotune.config import HardwareConfig, ModelConfig, as_trained, hardware_from_dict, model_from_dict
-from autotune.space import Space
+from autotune.plan.space import Space
 from autotune.trialspec import TrialSpec
 
 COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
@@ -160,3 +161,38 @@ def counts_as_launch(trial) -> bool:
     """Whether a trial counts against --trials: every holder of a layout (finished,
     running, or queued again) but those the estimator pruned unlaunched."""
     return holds_layout(trial) and trial.user_attrs.get("reason") != PREDICTED_OOM
+
+
+# -- re-measured trials (study/remeasure.py runs them) ------------------------------------------
+# A re-measured trial's runs are kept in the study's user attribute `remeasured` ({trial number:
+# [figures of each complete re-run]}), beside the trial's own, and its figures are the median
+# over all its runs (with one re-run: the mean of the two).
+
+REMEASURED_ATTR = "remeasured"
+# What a re-run keeps of its trial JSON: the metrics and the steps they come from.
+REMEASURED_KEYS = METRICS + ("step_times_s", "duration_s")
+
+
+def remeasured_figures(record: dict) -> dict:
+    return {key: record[key] for key in REMEASURED_KEYS if record.get(key) is not None}
+
+
+def merged(attrs: dict, value: float | None, runs: list[dict], objective: str) -> tuple[dict, float | None]:
+    """A trial's figures over its own run and its re-runs: each metric's median, the
+    objective's too; step_times_s all measured steps of every run."""
+    if not runs:
+        return attrs, value
+    every = [attrs] + runs
+    out = dict(attrs)
+    for key in METRICS:
+        values = [run[key] for run in every if run.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    out["step_times_s"] = [s for run in every for s in run.get("step_times_s") or ()]
+    return out, out.get(objective, value)
+
+
+def step_time_spread(attrs: dict) -> tuple[float | None, float | None]:
+    """The fastest and the slowest measured step (over every run of a re-measured trial)."""
+    steps = attrs.get("step_times_s") or []
+    return (min(steps), max(steps)) if steps else (None, None)

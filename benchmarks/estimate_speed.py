@@ -20,9 +20,9 @@ import os
 import platform
 import time
 
-from autotune import estimate_memory
 from autotune.config import load_hardware, load_model
 from autotune.estimate import budget_bytes, estimate, every_layout, price_every_layout
+from autotune.estimate import memory as estimate_memory
 
 
 def main() -> None:

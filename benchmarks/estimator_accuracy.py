@@ -49,7 +49,7 @@ import yaml
 
 from autotune.config import load_hardware, model_from_dict
 from autotune.estimate import estimate
-from autotune.layout import INT_KEYS, STR_KEYS, resolve
+from autotune.plan.layout import INT_KEYS, STR_KEYS, resolve
 
 OUT = Path(__file__).with_name("estimator_accuracy.md")
 OUT_KINDS = Path(__file__).with_name("estimator_accuracy_kinds.md")

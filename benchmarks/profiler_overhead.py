@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.runtime.data import micro_batches
 from autotune.runtime.mesh import mesh_for
 from autotune.runtime.parallelize import build_trainer

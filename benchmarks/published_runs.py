@@ -38,12 +38,12 @@ from typing import NamedTuple
 
 from autotune.config import GIB, as_trained, load_hardware, load_model
 from autotune.estimate import estimate
-from autotune.estimate_memory import TERMS, layer_bytes, pipeline_shapes, rank_memory
+from autotune.estimate.memory import TERMS, layer_bytes, pipeline_shapes, rank_memory
 from autotune.export import Target
 from autotune.export.megatron import LOSS_PEAK_BYTES as MEGATRON_UNFUSED_LOSS_BYTES
 from autotune.export.megatron import loss_bytes as megatron_loss_bytes
 from autotune.export.torchtitan import EAGER_LOSS_BYTES
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 
 HERE = Path(__file__).parent
 CSV = HERE / "published_runs.csv"

@@ -1,6 +1,6 @@
 """Drive the shipped study controller with every launch answered from a table.
 
-The sampler benchmarks measure autotune/study.py's Controller and autotune/samplers.py
+The sampler benchmarks measure autotune/study/controller.py's Controller and autotune/study/samplers.py
 as `autotune run` uses them, on an in-memory Optuna study: the controller asks the
 sampler, prunes predicted OOMs before launch, applies the communication threshold and
 calibrates the estimator on what was measured. Only `run_trial` is replaced, by a look-up
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import optuna
 
-from autotune import study as study_module
 from autotune.estimate import calibrate
-from autotune.layout import Layout
+from autotune.plan.layout import Layout
+from autotune.study import controller as study_module
 
 
 class NoClaim:

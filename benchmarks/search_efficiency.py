@@ -44,8 +44,8 @@ from results_section import machine, today, write_section
 
 from autotune.config import load_hardware, load_model
 from autotune.estimate import estimate
+from autotune.plan.space import load_space, valid_layouts
 from autotune.record import Question
-from autotune.space import load_space, valid_layouts
 
 SIGMA_THROUGHPUT = 0.15
 SIGMA_MEMORY = 0.05

@@ -6,7 +6,7 @@
 
 The shipped controller and model sampler run against search_efficiency's seeded truth
 (replay.py answers each launch) with neither --trials nor --time-budget, so the rule in
-autotune/stopping.py decides when to stop (--cap is a safety net). Per scenario and seed:
+autotune/study/stopping.py decides when to stop (--cap is a safety net). Per scenario and seed:
 the launches it took, and how far the best it found is from the best layout of the
 truth (the regret). Prints a line each.
 """
@@ -24,11 +24,11 @@ import optuna
 from replay import NoClaim, Replay
 from search_efficiency import SCENARIOS, make_truth, reportable
 
-from autotune import stopping
-from autotune import study as study_module
 from autotune.config import load_hardware
+from autotune.plan.space import load_space, valid_layouts
 from autotune.record import Question, counts_as_launch
-from autotune.space import load_space, valid_layouts
+from autotune.study import controller as study_module
+from autotune.study import stopping
 
 
 def main() -> None:

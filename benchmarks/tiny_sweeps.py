@@ -45,9 +45,9 @@ from replay import Replay
 from results_section import machine, today, write_section
 
 from autotune.config import load_model
-from autotune.layout import INT_KEYS, STR_KEYS, Layout
+from autotune.plan.layout import INT_KEYS, STR_KEYS, Layout
+from autotune.plan.space import load_space, valid_layouts
 from autotune.record import Question
-from autotune.space import load_space, valid_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = (8, 4)

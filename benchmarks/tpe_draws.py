@@ -18,10 +18,10 @@ import optuna
 from replay import Replay
 from search_efficiency import SCENARIOS, make_truth
 
-from autotune import study as study_module
 from autotune.config import load_hardware
+from autotune.plan.space import load_space, valid_layouts
 from autotune.record import Question
-from autotune.space import load_space, valid_layouts
+from autotune.study import controller as study_module
 
 SAMPLERS: list = []  # the sampler of each study the controller builds
 _make_sampler = study_module.make_sampler

@@ -20,7 +20,7 @@ space's steps and warm-up by default) --repeat times per N and splits each:
 Medians over the repeats; the overhead share is (trial - measured) / trial.
 
 Then a sweep, as a user runs one (its trials on the warm pool of rank processes,
-autotune/pool.py): `autotune run --model tiny --gpus N --space quick --sampler grid
+autotune/launch/pool.py): `autotune run --model tiny --gpus N --space quick --sampler grid
 --trials T --steps 5 --warmup 2 --confirm 0`, and the share of its wall time spent
 outside the measured steps of its trials (1 - the sum of every trial's measured steps /
 the command's wall time; the controller's start-up, the estimator, every launch, warm-up

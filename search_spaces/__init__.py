@@ -1,1 +1,1 @@
-"""Search spaces shipped with autotune (read with importlib.resources by autotune.space)."""
+"""Search spaces shipped with autotune (read with importlib.resources by autotune.plan.space)."""

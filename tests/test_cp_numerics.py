@@ -5,7 +5,7 @@ trained parameters, same gradients; and the activation memory per rank it saves.
 import pytest
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.numerics import assert_same_training
 from support.ring_probe import cp_activation_bytes, tiny_with
 from support.spawn_group import run_layouts, run_on_ranks

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autotune.config import as_trained, load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.runtime.parallel.dp import mixed_precision_policy
 from support.numerics import assert_same_losses, assert_same_training
 from support.spawn_group import run_layouts, run_on_ranks

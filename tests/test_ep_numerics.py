@@ -7,7 +7,7 @@ wrong scale); a router biased to one expert reports the imbalance it causes."""
 import pytest
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.moe_probe import skew_and_split
 from support.numerics import assert_same_training
 from support.spawn_group import run_layouts, run_on_ranks

@@ -10,10 +10,9 @@ import sys
 import pytest
 
 from autotune.cli import main
-from autotune.config import as_trained, load_hardware, load_model
+from autotune.config import GIB, as_trained, load_hardware, load_model
 from autotune.errors import UsageError
 from autotune.estimate import (
-    GIB,
     Calibration,
     budget_bytes,
     calibrate,
@@ -22,7 +21,7 @@ from autotune.estimate import (
     every_layout,
     rank_estimates,
 )
-from autotune.estimate_memory import (
+from autotune.estimate.memory import (
     Saved,
     SavedTotals,
     chunks_in_flight,
@@ -32,8 +31,8 @@ from autotune.estimate_memory import (
     rank_shape,
     saved_bytes_per_token,
 )
-from autotune.layout import Layout, resolve
-from autotune.stage_split import rank_stage_ids
+from autotune.plan.layout import Layout, resolve
+from autotune.plan.stage_split import rank_stage_ids
 
 TINY = load_model("tiny")
 LLAMA_70B = load_model("llama3-70b")
@@ -279,7 +278,7 @@ def test_op_recompute_keeps_every_other_matmul_output_as_torchtitan():
     """torchtitan's op policy on a Llama block: wq, wv, up and down outputs kept (with the
     block input, the attention output and its log-sum-exp); wk, wo and gate recomputed,
     which costs their forward matmuls again: more time than none, less than full."""
-    from autotune.estimate_memory import layer_bytes
+    from autotune.estimate.memory import layer_bytes
 
     m = LLAMA_70B
     q, kv, h, ffn = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.hidden_size, m.ffn_hidden_size
@@ -616,20 +615,21 @@ def test_state_floor_is_below_every_peak_and_skips_only_layouts_that_do_not_fit(
     budget, and counts them; the floor is a true lower bound of the estimated peak on
     every layout, and reads only the state keys (the enumeration asks it with the other
     keys at their defaults)."""
-    from autotune import estimate_memory
-    from autotune.estimate import _trained, price_every_layout
-    from autotune.estimate_memory import state_floor
-    from autotune.layout import STATE_KEYS
+    from autotune.estimate import memory as estimate_memory
+    from autotune.estimate import price_every_layout
+    from autotune.estimate.memory import state_floor
+    from autotune.estimate.pricing import trained_model
+    from autotune.plan.layout import STATE_KEYS
     moe = load_model("tiny-moe")
     assert H100.scale_up_gpus == 8
     layouts = every_layout(moe, 8, 8)
     estimates = [estimate(moe, layout, H100) for layout in layouts]
-    trained = _trained(moe, "cuda", None, None)
+    trained = trained_model(moe, "cuda", None, None)
     floors = [state_floor(trained, layout, "cuda") for layout in layouts]
     assert all(f <= e.peak_mem_bytes for f, e in zip(floors, estimates))
     state_only = [Layout(dp=layout.dp, **{k: getattr(layout, k) for k in STATE_KEYS}) for layout in layouts]
     estimate_memory.model_figures.cache_clear()
-    assert [state_floor(_trained(moe, "cuda", None, None), layout, "cuda") for layout in state_only] == floors
+    assert [state_floor(trained_model(moe, "cuda", None, None), layout, "cuda") for layout in state_only] == floors
     budget = sorted(floors)[len(floors) // 2]  # half the layouts' state is over it
     priced, valid, skipped = price_every_layout(moe, 8, H100, budget)
     assert valid == len(layouts)

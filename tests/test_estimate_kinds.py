@@ -6,8 +6,8 @@ import pytest
 
 from autotune.config import MLAConfig, load_hardware, load_model
 from autotune.estimate import estimate
-from autotune.estimate_memory import block_saved_tensors, model_figures
-from autotune.layout import resolve
+from autotune.estimate.memory import block_saved_tensors, model_figures
+from autotune.plan.layout import resolve
 
 H100 = load_hardware("h100-sxm")
 LLAMA_8B = load_model("llama3-8b")
@@ -84,10 +84,10 @@ def test_deepseek_v3_prices_layouts_with_expert_parallel(layout):
 def test_tensor_parallel_time_keeps_mla_down_projections_whole():
     """Every tp rank computes MLA's down projections whole, so tp=2 halves the weight
     gradients' time but for them: 2 * t(tp=2) - t(tp=1) is their time, zero for GQA."""
-    from autotune.estimate_memory import pipeline_shapes
-    from autotune.estimate_time import Links, microbatch_works
-    from autotune.mesh_layout import ParallelDims
-    from autotune.model_size import unsplit_attention_params
+    from autotune.config.model_size import unsplit_attention_params
+    from autotune.estimate.memory import pipeline_shapes
+    from autotune.estimate.step_time import Links, microbatch_works
+    from autotune.plan.mesh_layout import ParallelDims
 
     rate = 1e15
 

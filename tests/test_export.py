@@ -220,7 +220,7 @@ def test_best_readme_says_which_frameworks_fit_the_budget(tmp_path):
     does not."""
     from autotune.config import load_hardware, load_model
     from autotune.estimate import estimate
-    from autotune.layout import resolve
+    from autotune.plan.layout import resolve
     from autotune.record import Question
     from autotune.report.best import write_best
 

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.numerics import assert_same_losses
 from support.spawn_group import run_layouts
 

@@ -6,7 +6,7 @@ import pytest
 from autotune.config import HARDWARE_DIR, hardware_for_device_name, hardware_presets, load_hardware, load_model
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, estimate
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.record import Question
 
 GPUS = ("a100-80gb", "h100-sxm", "h200", "b200", "b300", "gb200", "gb300", "mi300x", "mi355x")

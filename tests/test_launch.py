@@ -7,7 +7,7 @@ import sys
 import time
 
 from autotune.config import load_model
-from autotune.launch import KILL_WAIT_S, classify, run_trial
+from autotune.launch.launchers import KILL_WAIT_S, classify, run_trial
 from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec
 from support.processes import gone
 
@@ -73,7 +73,7 @@ def test_timeout_kills_every_process(tmp_path):
 
 
 def test_cli_trial_json_end_to_end():
-    out = subprocess.run([sys.executable, "-m", "autotune.cli", "trial", "--model", "tiny", "--gpus", "2",
+    out = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "tiny", "--gpus", "2",
                           "--layout", "mbs=2", "--steps", "2", "--warmup", "1", "--json"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -87,7 +87,7 @@ def test_cli_bad_input_is_one_line_and_exit_2():
                         (["--model", "tiny", "--gpus", "2", "--layout", "wat=1"], "layout.wat"),
                         (["--model", "nope", "--gpus", "2"], "model"),
                         (["--model", "tiny", "--gpus", "0"], "--gpus")):
-        out = subprocess.run([sys.executable, "-m", "autotune.cli", "trial", *args], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "autotune", "trial", *args], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 2, out
         assert len(out.stderr.strip().splitlines()) == 1 and field in out.stderr, out.stderr

@@ -5,7 +5,7 @@ import pytest
 from autotune.config import load_model, model_from_dict
 from autotune.errors import UsageError
 from autotune.estimate import reasonable_space
-from autotune.layout import Layout, enumerate_layouts, enumerate_layouts_skipping, parse_layout, resolve
+from autotune.plan.layout import Layout, enumerate_layouts, enumerate_layouts_skipping, parse_layout, resolve
 
 TINY = load_model("tiny")  # 8 heads, 4 kv heads, ffn 128, vocab 256, 8 layers, seq 64, batch 16
 MOE = load_model("tiny-moe")  # 8 experts
@@ -176,7 +176,7 @@ def _every_combination_resolved(model, gpus, space, gpus_per_node=None):
     enumeration)."""
     import itertools
 
-    from autotune.layout import INT_KEYS, STR_KEYS, check
+    from autotune.plan.layout import INT_KEYS, STR_KEYS, check
     keys = [k for k in INT_KEYS + STR_KEYS if k in space and k != "dp"]
     seen = {}
     for values in itertools.product(*(space[k] for k in keys)):
@@ -216,7 +216,7 @@ def test_pruned_enumeration_equals_resolving_every_combination(model, gpus, spac
     assert enumerate_layouts(model, gpus, space, gpus_per_node) == expected
     assert expected
 
-    from autotune.layout import STATE_KEYS
+    from autotune.plan.layout import STATE_KEYS
 
     def state(layout):
         return tuple(getattr(layout, k) for k in STATE_KEYS)

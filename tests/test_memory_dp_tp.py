@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.spawn_group import run_on_ranks
 from support.step_probe import activation_bytes, held_state_and_peak
 

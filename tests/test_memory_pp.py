@@ -3,8 +3,8 @@ measured: the bytes of the activations autograd saves, at their peak over a step
 
 import pytest
 
-from autotune.estimate_memory import chunks_in_flight
-from autotune.layout import Layout
+from autotune.estimate.memory import chunks_in_flight
+from autotune.plan.layout import Layout
 from support.spawn_group import run_on_ranks
 from support.step_probe import pipeline_activation_peaks
 
@@ -41,7 +41,7 @@ def test_fsdp_stages_hold_their_unsharded_gradients_as_the_estimator_prices():
     first backward, before any gradient)."""
     from autotune.config import load_hardware, load_model
     from autotune.estimate import estimate
-    from autotune.layout import resolve
+    from autotune.plan.layout import resolve
     from support.spawn_group import run_layouts
 
     tiny = load_model("tiny")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.runtime.peak_flops import gemm_flops, peak_flops
 from autotune.runtime.trial import GIB, is_out_of_memory, measurements, memory_budget
 from autotune.trialspec import TrialSpec
@@ -134,7 +134,7 @@ def test_the_reserved_figure_is_the_largest_ranks():
 
 
 def test_cli_trial_over_a_tiny_memory_budget_is_pruned_oom_with_its_figures(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "autotune.cli", "trial", "--model", "tiny", "--gpus", "2",
+    out = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "tiny", "--gpus", "2",
                           "--steps", "2", "--warmup", "1", "--memory-budget-gb", "0.001", "--peak-tflops", "0.5",
                           "--trace", str(tmp_path / "trace"), "--json"],
                          capture_output=True, text=True, timeout=300)
@@ -155,7 +155,7 @@ def test_cli_trial_over_a_tiny_memory_budget_is_pruned_oom_with_its_figures(tmp_
 
 def test_cli_rejects_a_bad_peak_and_an_unknown_hardware():
     for args, field in ((["--peak-tflops", "0"], "--peak-tflops"), (["--hardware", "tpu9"], "hardware")):
-        out = subprocess.run([sys.executable, "-m", "autotune.cli", "trial", "--model", "tiny", "--gpus", "2", *args],
+        out = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "tiny", "--gpus", "2", *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and field in out.stderr and len(out.stderr.strip().splitlines()) == 1, out
 
@@ -165,7 +165,7 @@ def test_cli_trial_whose_allocation_fails_is_pruned_oom(tmp_path):
     model = tmp_path / "huge.yaml"
     model.write_text("vocab_size: 16777216\nhidden_size: 65536\nnum_layers: 1\nnum_heads: 64\n"
                      "ffn_hidden_size: 128\nseq_len: 8\nglobal_batch_size: 2\ndtype: fp32\n")
-    out = subprocess.run([sys.executable, "-m", "autotune.cli", "trial", "--model", str(model), "--gpus", "1",
+    out = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", str(model), "--gpus", "1",
                           "--json"], capture_output=True, text=True, timeout=120)
     r = json.loads(out.stdout)
     assert (out.returncode, r["status"], r["reason"]) == (1, "pruned", "oom"), r

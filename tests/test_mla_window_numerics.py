@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 
 from autotune.config import MLAConfig, MoEConfig, load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.numerics import assert_same_training
 from support.spawn_group import run_layouts
 

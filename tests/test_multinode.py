@@ -15,7 +15,7 @@ import pytest
 
 from autotune.config import load_model
 from autotune.errors import UsageError
-from autotune.launch import KILL_WAIT_S, Launcher, run_trial, trial_agents
+from autotune.launch.launchers import KILL_WAIT_S, Launcher, run_trial, trial_agents
 from autotune.trialspec import TrialSpec
 from support.numerics import assert_same_losses
 from support.processes import gone

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from autotune.config import load_model
-from autotune.estimate_memory import LOSS_CHUNK_ELEMENTS, loss_bytes, precision
-from autotune.layout import resolve
+from autotune.estimate.memory import LOSS_CHUNK_ELEMENTS, loss_bytes, precision
+from autotune.plan.layout import resolve
 from autotune.runtime.memory import cpu_peak_during
 from autotune.runtime.torch_compat import track_cpu_allocations
 from autotune_kernels import loss as loss_kernel

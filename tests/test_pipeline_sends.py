@@ -6,10 +6,10 @@ import pytest
 from torch import nn
 from torch.distributed.pipelining import schedules
 
-from autotune.layout import Layout
+from autotune.plan.layout import Layout
+from autotune.plan.schedules import SCHEDULES
+from autotune.plan.stage_split import rank_stage_ids
 from autotune.runtime.parallel.pp_sends import _flatten, release_points
-from autotune.schedules import SCHEDULES
-from autotune.stage_split import rank_stage_ids
 
 LOWERED = [name for name, schedule in SCHEDULES.items() if schedule.lowered]
 

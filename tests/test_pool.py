@@ -1,4 +1,4 @@
-"""The warm pool (autotune/pool.py): a pooled trial measures what a fresh launch does, and a
+"""The warm pool (autotune/launch/pool.py): a pooled trial measures what a fresh launch does, and a
 failure of any kind leaves fresh processes for the next trial."""
 
 import dataclasses
@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from autotune.config import load_model
-from autotune.launch import run_trial
-from autotune.pool import RankPool
+from autotune.launch.launchers import run_trial
+from autotune.launch.pool import RankPool
 from autotune.trialspec import TrialSpec
 
 TINY = dataclasses.asdict(load_model("tiny"))

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.numerics import assert_same_training
 from support.spawn_group import run_layouts, run_on_ranks
 from support.step_probe import MODEL, assert_same_gradients, first_step_gradients, reference_gradients

@@ -1,13 +1,13 @@
 """The sweep's progress lines: trials done and left, and the time left estimated from
-the launched trials' wall times (autotune/progress.py)."""
+the launched trials' wall times (autotune/study/progress.py)."""
 
 import io
 
 from rich.console import Console
 
-from autotune import progress as progress_module
-from autotune.progress import Progress
-from autotune.study import Tally
+from autotune.study import progress as progress_module
+from autotune.study.controller import Tally
+from autotune.study.progress import Progress
 
 
 class Clock:

@@ -16,7 +16,7 @@ import pytest
 
 from support.processes import alive, gone
 
-CLI = [sys.executable, "-m", "autotune.cli"]
+CLI = [sys.executable, "-m", "autotune"]
 
 
 def cli(*args, env=None, timeout=300):

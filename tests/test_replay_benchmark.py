@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import replay  # noqa: E402
 import search_efficiency  # noqa: E402
 
-from autotune import study as study_module  # noqa: E402
 from autotune.config import load_hardware  # noqa: E402
+from autotune.plan.space import load_space, valid_layouts  # noqa: E402
 from autotune.record import Question  # noqa: E402
-from autotune.space import load_space, valid_layouts  # noqa: E402
+from autotune.study import controller as study_module  # noqa: E402
 
 
 @pytest.mark.parametrize("sampler", ["model", "tpe"])

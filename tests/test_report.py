@@ -13,14 +13,14 @@ from optuna.trial import TrialState, create_trial
 from autotune.cli import main
 from autotune.config import GIB as GB
 from autotune.config import load_model
-from autotune.layout import Layout, parse_layout, resolve
+from autotune.plan.layout import Layout, parse_layout, resolve
+from autotune.plan.space import load_space, valid_layouts
 from autotune.record import Question
 from autotune.report import write_reports
 from autotune.report.answer import answer
 from autotune.report.best import exports, write_best
 from autotune.report.html import gpu_split
 from autotune.report.table import trial_table
-from autotune.space import load_space, valid_layouts
 from autotune.trialspec import TrialSpec
 from support.report_study import OUTCOMES, make_study, question
 

@@ -114,7 +114,7 @@ def test_the_report_of_a_real_sweep_loads_draws_and_sorts(tmp_path, browser):
     again) as the user gets it from `autotune run`: the page loads with no console error, its
     charts draw the measured trials, and the ranking sorts on a click."""
     out = tmp_path / "sweep"
-    run = subprocess.run([sys.executable, "-m", "autotune.cli", "run", "--model", "tiny", "--gpus", "2",
+    run = subprocess.run([sys.executable, "-m", "autotune", "run", "--model", "tiny", "--gpus", "2",
                           "--space", "quick", "--sampler", "grid", "--trials", "3", "--steps", "1", "--warmup", "0",
                           "--confirm", "1", "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr

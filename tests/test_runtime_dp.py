@@ -1,7 +1,7 @@
 """Foundation runtime: determinism, learning, and plain data parallel against one process."""
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.numerics import assert_same_losses, assert_same_params
 from support.spawn_group import run_layouts
 

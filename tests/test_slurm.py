@@ -15,7 +15,7 @@ import pytest
 
 from autotune.config import load_model
 from autotune.errors import UsageError
-from autotune.launch import Launcher, run_trial, srun_command, trial_agents
+from autotune.launch.launchers import Launcher, run_trial, srun_command, trial_agents
 from autotune.trialspec import TrialSpec
 
 SPEC = TrialSpec(model=dataclasses.asdict(load_model("tiny")), layout="dp=4", steps=1, warmup=0)

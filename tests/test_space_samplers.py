@@ -6,8 +6,8 @@ from optuna.trial import TrialState
 
 from autotune.config import load_model
 from autotune.errors import UsageError
-from autotune.samplers import GridSampler, ModelSampler, RandomSampler, TpeSampler, layout_from_params
-from autotune.space import load_space, space_from_dict, space_names, valid_layouts
+from autotune.plan.space import load_space, space_from_dict, space_names, valid_layouts
+from autotune.study.samplers import GridSampler, ModelSampler, RandomSampler, TpeSampler, layout_from_params
 
 TINY = load_model("tiny")
 

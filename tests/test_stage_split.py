@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from autotune.config import load_model
-from autotune.layout import Layout
+from autotune.plan.layout import Layout
+from autotune.plan.stage_split import end_weight, rank_stage_ids, stage_layers
 from autotune.runtime.model import Transformer
 from autotune.runtime.parallel.pp import split_stages
-from autotune.stage_split import end_weight, rank_stage_ids, stage_layers
 
 TINY = load_model("tiny")
 LLAMA_8B = load_model("llama3-8b")

@@ -1,4 +1,4 @@
-"""The stopping rule of a sweep with no budget (autotune/stopping.py), alone and in the
+"""The stopping rule of a sweep with no budget (autotune/study/stopping.py), alone and in the
 study's controller."""
 
 import dataclasses
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import optuna
 
-from autotune import stopping
-from autotune import study as study_module
 from autotune.config import load_hardware, load_model
+from autotune.plan.space import load_space
 from autotune.record import Question
-from autotune.space import load_space
-from autotune.stopping import stop_reason, trials_since_improvement
+from autotune.study import controller as study_module
+from autotune.study import stopping
+from autotune.study.stopping import stop_reason, trials_since_improvement
 
 
 def test_the_count_restarts_only_on_an_improvement_of_one_percent():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from autotune.schedules import SCHEDULES
+from autotune.plan.schedules import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"autotune": ROOT / "autotune", "autotune_kernels": ROOT / "kernels"}
@@ -110,4 +110,61 @@ def test_schedule_names_live_in_one_table():
         named = {s for s in SCHEDULES if any(s == text or f" {s} " in f" {text} " for text in literals)}
         if named:
             holders[name] = sorted(named)
-    assert set(holders) <= {"autotune.schedules"}, holders
+    assert set(holders) <= {"autotune.plan.schedules"}, holders
+
+
+# The districts of the package, lowest first, and what each may import. A district is a
+# sub-package (or one of the few modules at the root); the order is the architecture: the
+# model description, the plan, the estimator, the record of a study, then what runs trials
+# (launch, runtime) and what reads the record (export, report), the study itself, the CLI.
+DISTRICT_IMPORTS = {
+    "errors": set(),
+    "config": {"errors"},
+    "plan": {"errors", "config"},
+    "estimate": {"errors", "config", "plan"},
+    "trialspec": set(),
+    "record": {"errors", "config", "plan", "trialspec"},
+    "launch": {"errors", "trialspec", "record"},
+    "torch_compat": set(),
+    "runtime": {"errors", "config", "plan", "trialspec", "record", "kernels", "torch_compat"},
+    "kernels": {"torch_compat"},
+    "export": {"errors", "config", "plan", "estimate", "record"},
+    "report": {"errors", "config", "plan", "estimate", "record", "export"},
+    "study": {"errors", "config", "plan", "estimate", "record", "trialspec", "launch", "export", "report"},
+    "cli": {"errors", "config", "plan", "estimate", "record", "trialspec", "launch", "export", "report", "study"},
+}
+
+
+def district(module: str) -> str:
+    """autotune.<district>[.module]; the kernels; the private torch APIs, which the kernels and
+    the runtime share (runtime/torch_compat.py), as a district of their own."""
+    if module.startswith("autotune_kernels"):
+        return "kernels"
+    if module == "autotune.runtime.torch_compat":
+        return "torch_compat"
+    name = module.split(".")[1]
+    return {"__main__": "cli", "search_spaces": "plan"}.get(name, name)
+
+
+def test_every_module_belongs_to_a_district():
+    unknown = sorted(m for m in project_modules() if m != "autotune" and district(m) not in DISTRICT_IMPORTS)
+    assert not unknown, f"modules outside every district (add them to DISTRICT_IMPORTS): {unknown}"
+
+
+def test_districts_import_only_the_layers_below_them():
+    broken = []
+    for name, targets in import_graph().items():
+        if name == "autotune":
+            continue
+        mine = district(name)
+        for target in targets:
+            theirs = district(target)
+            if theirs != mine and theirs not in DISTRICT_IMPORTS[mine]:
+                broken.append(f"{name} ({mine}) imports {target} ({theirs})")
+    assert not broken, "\n".join(sorted(broken))
+
+
+def test_the_package_root_holds_few_modules():
+    """The root holds the CLI and the shared vocabulary; everything else lives in its district."""
+    root = sorted(p.name for p in (ROOT / "autotune").glob("*.py"))
+    assert len(root) <= 10, root

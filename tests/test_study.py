@@ -11,7 +11,7 @@ import pandas as pd
 
 from autotune.report.table import CSV_COLUMNS
 
-RUN = [sys.executable, "-m", "autotune.cli", "run", "--model", "tiny", "--space", "quick"]
+RUN = [sys.executable, "-m", "autotune", "run", "--model", "tiny", "--space", "quick"]
 
 
 def autotune_run(*args, env=None, timeout=600):

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.runtime.torch_compat import forget_process_groups
 from support.step_probe import step_batches, trainer_for
 

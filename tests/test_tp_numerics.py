@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from support.numerics import assert_same_training
 from support.spawn_group import run_layouts
 from support.step_probe import local_attention_shapes

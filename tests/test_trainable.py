@@ -7,8 +7,8 @@ import pytest
 
 from autotune.cli import main
 from autotune.config import PRESET_DIR, load_model, model_from_dict
+from autotune.config.trainable import check_trainable, model_refusal
 from autotune.errors import UsageError
-from autotune.trainable import check_trainable, model_refusal
 
 TINY = load_model("tiny")
 

@@ -22,8 +22,8 @@ import psutil
 import pytest
 from optuna.trial import TrialState
 
-from autotune.storage import open_storage, redact, redact_text
-from autotune.study import MAX_RETRIES, RetryStaleTrial
+from autotune.study.controller import MAX_RETRIES, RetryStaleTrial
+from autotune.study.storage import open_storage, redact, redact_text
 from support.postgres import with_password
 
 FAKE = str(Path(__file__).parent / "support" / "fake_trials.py")
@@ -42,7 +42,7 @@ def shared_storage(request, tmp_path):
 
 def start(args, out, env=None, script=FAKE):
     command = [sys.executable, script, *args, "--out", str(out)] if script else \
-        [sys.executable, "-m", "autotune.cli", *args, "--out", str(out)]
+        [sys.executable, "-m", "autotune", *args, "--out", str(out)]
     log = open(f"{out}.log", "w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
@@ -169,7 +169,7 @@ def one_error_line(result):
 
 
 def worker(*args):
-    return subprocess.run([sys.executable, "-m", "autotune.cli", "worker", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "autotune", "worker", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autotune.config import ModelConfig
-from autotune.layout import Layout, parse_layout
+from autotune.plan.layout import Layout, parse_layout
+from autotune.plan.stage_split import stage_layers
 from autotune.record import Question
-from autotune.stage_split import stage_layers
 
 
 @dataclass

@@ -19,7 +19,7 @@ rounds of m // max(1, m // pp), so that is the N written where it differs from p
 from __future__ import annotations
 
 from autotune.export import Target
-from autotune.schedules import SCHEDULES
+from autotune.plan.schedules import SCHEDULES
 
 
 def layout_string(sizes: list[int]) -> str:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import shlex
 
 from autotune.config import GIB
-from autotune.estimate_memory import precision, rank_shape
+from autotune.estimate.memory import precision, rank_shape
 from autotune.export import Export, Mapping, Target, comment_block, flag_lines
-from autotune.schedules import SCHEDULES
+from autotune.plan.schedules import SCHEDULES
 
 # Our presets that torchtitan 0.3.0 has a config function for: (module, config).
 CONFIGS = {

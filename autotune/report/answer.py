@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from autotune.plan.schedules import SCHEDULES
 from autotune.record import COMPLETE, Question
 from autotune.report.table import LAYOUT_COLUMNS
 from autotune.report.table import ranked as ranked_trials
-from autotune.schedules import SCHEDULES
 
 # Rules of thumb, as practitioners state them.
 HEADROOM_WANTED = 0.20  # keep 20-30% of device memory free for buffers and fragmentation

@@ -15,10 +15,9 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from autotune.config import GIB
-from autotune.layout import KEYS, Layout, parse_layout
-from autotune.record import COMPLETE, FAILED, INTERRUPTED, PRUNED
-from autotune.remeasure import ATTR as REMEASURED
-from autotune.remeasure import merged, step_time_spread
+from autotune.plan.layout import KEYS, Layout, parse_layout
+from autotune.record import COMPLETE, FAILED, INTERRUPTED, PRUNED, merged, step_time_spread
+from autotune.record import REMEASURED_ATTR as REMEASURED
 
 LAYOUT_COLUMNS = list(KEYS)
 CSV_COLUMNS = (["trial", "status", "reason"] + LAYOUT_COLUMNS +

@@ -1,5 +1,5 @@
 """The device mesh of a layout: torch's DeviceMesh with every named group of
-autotune/mesh_layout.py (which says what each group is for).
+autotune/plan/mesh_layout.py (which says what each group is for).
 
 `build_mesh` makes the root mesh in mesh_layout's dim order, then every flattened view
 and EP's carving by name; `Meshes` hands them out (`meshes["tp"]`, `meshes["dp_cp"]`).
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autotune.mesh_layout import DIM_NAMES, EXPERT_DIMS, FLATTENED, ParallelDims
+from autotune.plan.mesh_layout import DIM_NAMES, EXPERT_DIMS, FLATTENED, ParallelDims
 from autotune.runtime.torch_compat import concatenate_meshes, flatten_mesh, unflatten_mesh
 
 

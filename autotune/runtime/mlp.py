@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autotune.model_size import GATED_MLPS
+from autotune.config.model_size import GATED_MLPS
 
 
 class GatedActivation(torch.autograd.Function):

@@ -3,7 +3,7 @@ multi-head latent attention (runtime/mla.py), full causal or over a sliding wind
 MLP of the model's kind (SwiGLU, GeGLU, GELU, squared ReLU) or MoE.
 
 What it does not build (biases, LayerNorm, learned positions, tied embeddings)
-autotune/trainable.py refuses before a trial starts.
+autotune/config/trainable.py refuses before a trial starts.
 
 It knows nothing of parallelism. Every parallel dimension is applied from outside
 (runtime/parallel/*), which is why:

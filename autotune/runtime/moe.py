@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autotune.config import ModelConfig
-from autotune.model_size import GATED_MLPS
+from autotune.config.model_size import GATED_MLPS
 from autotune.runtime.mlp import FeedForward, activation
 from autotune_kernels.moe import expert_counts, grouped_matmul, permute, route, unpermute
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from autotune.config import ModelConfig
-from autotune.layout import Layout
+from autotune.plan.layout import Layout
+from autotune.plan.stage_split import stage_count
 from autotune.runtime.init import init_weights
 from autotune.runtime.mesh import Meshes
 from autotune.runtime.model import Transformer
@@ -30,7 +31,6 @@ from autotune.runtime.parallel.sp_saved import save_sequence_shards
 from autotune.runtime.parallel.tp import apply_tensor_parallel
 from autotune.runtime.precision import LossScaler, convert_to_eight_bit
 from autotune.runtime.train import Trainer
-from autotune.stage_split import stage_count
 from autotune.trialspec import TrialSpec
 
 

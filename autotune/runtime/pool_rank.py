@@ -1,4 +1,4 @@
-"""One rank of a warm pool (autotune/pool.py): torch imported once, one trial after another.
+"""One rank of a warm pool (autotune/launch/pool.py): torch imported once, one trial after another.
 
     python -m autotune.runtime.pool_rank --rank R --world-size N
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.config import GIB, ModelConfig, load_hardware, model_from_dict
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.record import COMPLETE, OOM, PROFILED_METRICS, PRUNED
 from autotune.runtime.data import micro_batches
 from autotune.runtime.faults import fault_for

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from autotune.config import load_model
 from autotune.export import Target
-from autotune.layout import resolve
-from autotune.schedules import SCHEDULES
+from autotune.plan.layout import resolve
+from autotune.plan.schedules import SCHEDULES
 
 LAYOUTS = [
     ("llama3-8b", 8, "dp=8,zero=0,mbs=2"),                                   # plain data parallel

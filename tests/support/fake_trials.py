@@ -18,7 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autotune import cli, samplers, storage, study  # noqa: E402
+from autotune import cli  # noqa: E402
+from autotune.study import controller as study  # noqa: E402
+from autotune.study import samplers, storage  # noqa: E402
 
 
 def fake_run_trial(spec, nprocs, timeout_s, log_dir=None, launcher=None):

@@ -19,9 +19,9 @@ import optuna
 from optuna.trial import TrialState, create_trial
 
 from autotune.config import ModelConfig, load_hardware, load_model
-from autotune.layout import Layout
-from autotune.samplers import key_distributions
-from autotune.space import load_space, valid_layouts
+from autotune.plan.layout import Layout
+from autotune.plan.space import load_space, valid_layouts
+from autotune.study.samplers import key_distributions
 
 GB = 1024 ** 3
 # Every outcome a trial can have (autotune/record.py) that the controller records.

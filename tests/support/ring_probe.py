@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 import autotune_kernels.attention as kernels
 from autotune.config import load_model, model_from_dict
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.runtime.data import micro_batches
 from autotune.runtime.mesh import mesh_for
 from autotune.runtime.parallel.recompute import keep_expensive_ops

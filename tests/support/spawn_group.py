@@ -6,7 +6,7 @@ every rank is forked from a server process that has imported them once
 processes kept from test to test (one group per world size), each call forming a new
 gloo process group over a fresh FileStore and running every layout it compares through
 the same `autotune.runtime.trial.run` that `autotune trial` uses, as autotune's own warm
-pool does for sweeps (autotune/pool.py: nothing a trial leaves changes the next one's
+pool does for sweeps (autotune/launch/pool.py: nothing a trial leaves changes the next one's
 losses or peak memory, tests/test_pool.py). A call that fails on any rank, or outlives
 its timeout, ends the group; the next call starts a fresh one. Profiled runs (they
 measure memory) and `run_on_ranks`' probes (they measure memory or patch torch) run on

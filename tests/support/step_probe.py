@@ -14,7 +14,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
 from autotune.config import load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.runtime.data import batch_rows, micro_batches
 from autotune.runtime.init import init_weights, plain_name
 from autotune.runtime.mesh import mesh_for

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from autotune.config import ModelConfig
-from autotune.layout import Layout
+from autotune.plan.layout import Layout
 from autotune.runtime.mesh import Meshes
 from autotune.runtime.moe import moe_layers
 from autotune.runtime.parallel.ddp import DataParallel

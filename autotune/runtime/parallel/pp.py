@@ -8,7 +8,7 @@ layers keep their global names (a ModuleDict keyed by layer index), so init and 
 tests see the plain model's parameter names. Each stage is then parallelised like a
 whole model (parallelize.parallelize_stage) and wrapped in a `PipelineStage`.
 
-torch's schedules run everything else: autotune/schedules.py names each schedule's
+torch's schedules run everything else: autotune/plan/schedules.py names each schedule's
 torch class, its stages per rank and the micro-batch counts it takes (layout.check
 holds each schedule's own preconditions). The loss: the schedule is built
 with scale_grads=False and a loss function that divides each micro-batch's token mean
@@ -46,14 +46,14 @@ from torch import nn
 from torch.distributed.pipelining import schedules
 
 from autotune.config import ModelConfig
-from autotune.layout import Layout
+from autotune.plan.layout import Layout
+from autotune.plan.schedules import SCHEDULES
+from autotune.plan.stage_split import rank_stage_ids, stage_count, stage_layers
 from autotune.runtime.model import Transformer
 from autotune.runtime.moe import discard_step, end_step, set_aux_loss_scale
 from autotune.runtime.parallel.pp_sends import SendReleaser
 from autotune.runtime.torch_compat import LeanPipelineStage, capturing_pipeline_posts
 from autotune.runtime.train import clip, cross_entropy
-from autotune.schedules import SCHEDULES
-from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
 
 
 def split_stages(model: Transformer, cfg: ModelConfig, layout: Layout, pp_rank: int) -> dict[int, Transformer]:

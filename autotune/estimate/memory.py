@@ -51,12 +51,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from autotune import model_size
-from autotune.config import ModelConfig, per_model_object
+from autotune.config import ModelConfig, model_size, per_model_object
 from autotune.errors import UsageError
-from autotune.layout import Layout
-from autotune.schedules import SCHEDULES
-from autotune.stage_split import rank_stage_ids, stage_count, stage_layers
+from autotune.plan.layout import Layout
+from autotune.plan.schedules import SCHEDULES
+from autotune.plan.stage_split import rank_stage_ids, stage_count, stage_layers
 
 DEVICES = ("cpu", "cuda")
 # Bytes the CUDA allocator hands out besides the model's tensors: cuBLAS workspaces and
@@ -547,7 +546,7 @@ def moe_layer_bytes(model: ModelConfig, layout: Layout) -> float:
 
 def chunks_in_flight(layout: Layout, microbatches: int, rank: int) -> int:
     """Most (stage, micro-batch) forward results a pipeline rank holds at once
-    (autotune/schedules.py: each schedule's count from torch's action lists)."""
+    (autotune/plan/schedules.py: each schedule's count from torch's action lists)."""
     if layout.pp == 1:
         return 1
     return SCHEDULES[layout.schedule].in_flight(layout.pp, microbatches, stage_chunks(layout), rank)
@@ -555,7 +554,7 @@ def chunks_in_flight(layout: Layout, microbatches: int, rank: int) -> int:
 
 def peak_points(layout: Layout, microbatches: int, rank: int) -> list[tuple[int, int]]:
     """(chunks in flight, postponed weight steps) at the moments where a pipeline rank can
-    peak (autotune/schedules.py); without PP, one micro-batch and nothing postponed."""
+    peak (autotune/plan/schedules.py); without PP, one micro-batch and nothing postponed."""
     if layout.pp == 1:
         return [(1, 0)]
     return SCHEDULES[layout.schedule].peak_points(layout.pp, microbatches, stage_chunks(layout), rank)

@@ -12,14 +12,15 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from autotune.cli.options import positive_int
 from autotune.config import hardware_presets, load_hardware, load_model
-from autotune.layout import resolve
+from autotune.plan.layout import resolve
 from autotune.record import Question
 
 DEFAULT_HARDWARE = "h100-sxm"
 
 
-def add_export_parser(sub, positive_int) -> None:
+def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write best/ (torchrun, Megatron-LM, torchtitan, DeepSpeed) for one layout")
     p.add_argument("--model", required=True, help="preset name, YAML file or Hugging Face config.json")
     p.add_argument("--gpus", type=positive_int, required=True, help="GPUs the layout uses")

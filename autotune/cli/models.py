@@ -13,6 +13,14 @@ from autotune.config import ModelConfig, load_model, model_presets
 COLUMNS = ("name", "params", "active_params", "layers", "hidden", "attention", "mlp", "moe", "rope_theta", "dtype")
 
 
+def add_models_parser(sub) -> None:
+    """`autotune models [PATH...] [--json]`"""
+    p = sub.add_parser("models", help="describe model files (YAML or config.json), or every preset")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="model files or preset names (default: every preset)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
+    p.set_defaults(func=cmd_models)
+
+
 def describe(m: ModelConfig) -> dict:
     attention = m.attention if m.attention == "mla" else f"gqa {m.num_heads}/{m.num_kv_heads}x{m.head_dim}"
     if m.qk_norm:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
-from autotune.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from autotune.plan.schedules import DEFAULT_SCHEDULE, SCHEDULES
 
 # none; selective: the attention core (Megatron's selective); op: per-op, torchtitan's
 # selective op policy (keep every other matmul output, recompute the rest); full: whole layers.
@@ -338,7 +338,7 @@ def _whole_microbatches(L, m, gpus, gpus_per_node):
 @rule("pp", "schedule", "mbs", "dp")
 def _schedule_microbatches(L, m, gpus, gpus_per_node):
     """What torch's schedule asks of the micro-batch count, grad_accum =
-    global_batch_size / (mbs*dp) (autotune/schedules.py holds each schedule's rule)."""
+    global_batch_size / (mbs*dp) (autotune/plan/schedules.py holds each schedule's rule)."""
     if L.pp == 1:
         return None
     count = L.grad_accum(m)

@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from autotune.launch import classify, kill_tree, trial_env
+from autotune.launch.launchers import classify, kill_tree, trial_env
 from autotune.trialspec import DONE_MARKER, TrialSpec, dying_with
 
 POLL_S = 0.05

@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from autotune import model_size
-from autotune.config import HardwareConfig, ModelConfig
-from autotune.estimate_memory import (
+from autotune.config import HardwareConfig, ModelConfig, model_size
+from autotune.estimate.memory import (
     RankShape,
     attention_widths,
     full_recompute_layers,
@@ -31,9 +30,9 @@ from autotune.estimate_memory import (
     reshards_after_forward,
     stage_chunks,
 )
-from autotune.layout import Layout
-from autotune.mesh_layout import Group, ParallelDims, mesh_groups
-from autotune.schedules import SCHEDULES
+from autotune.plan.layout import Layout
+from autotune.plan.mesh_layout import Group, ParallelDims, mesh_groups
+from autotune.plan.schedules import SCHEDULES
 
 # -- links ------------------------------------------------------------------------------------
 
@@ -92,7 +91,7 @@ class Links(NamedTuple):
 def bubble_time(layout: Layout, forward: float, backward_input: float, backward_weight: float) -> float:
     """Idle time of a pipeline rank per step, from one chunk's (a stage divided by vpp)
     forward F, input-gradient B (recompute included) and weight-gradient W times: pp - 1
-    times the schedule's bubble per hop (autotune/schedules.py), so (p-1)/(v*m+p-1) of
+    times the schedule's bubble per hop (autotune/plan/schedules.py), so (p-1)/(v*m+p-1) of
     the step without split backwards. Zero-bubble schedules reach zero only when B = W;
     the attention core's backward and recompute make B the larger.
     """

@@ -19,7 +19,7 @@ comes nearest to (i+1)/(pp*vpp) of the total, num_layers + 2 * end weight; every
 keeps at least one layer. On the tiny preset the weight is 0.36, so its 8 layers split
 evenly; on llama3-8b it is 1.84, and pp=4 gives 7, 9, 9, 7 layers.
 
-Stage ids per rank, by the schedule's placement (autotune/schedules.py): looped
+Stage ids per rank, by the schedule's placement (autotune/plan/schedules.py): looped
 schedules put stages rank, rank+pp, rank+2pp, ... on a rank; V schedules put stages
 rank and 2*pp-1-rank, so rank 0 holds the first and the last stage.
 """
@@ -30,8 +30,8 @@ import functools
 import math
 
 from autotune.config import ModelConfig, per_model_object
-from autotune.layout import Layout
-from autotune.schedules import SCHEDULES
+from autotune.plan.layout import Layout
+from autotune.plan.schedules import SCHEDULES
 
 
 @per_model_object

@@ -28,9 +28,9 @@ from optuna.distributions import CategoricalDistribution
 from optuna.samplers import BaseSampler, TPESampler
 from optuna.trial import FrozenTrial
 
-from autotune.layout import KEYS, Layout
+from autotune.plan.layout import KEYS, Layout
+from autotune.plan.schedules import SCHEDULES
 from autotune.record import holds_layout
-from autotune.schedules import SCHEDULES
 
 TPE_ATTEMPTS = 16
 

@@ -37,15 +37,13 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from autotune import remeasure, stopping
 from autotune.config import GIB
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, calibrate, estimate
-from autotune.launch import Launcher, run_trial
-from autotune.layout import Layout
-from autotune.optuna_compat import HEARTBEAT_ATTR
-from autotune.pool import RankPool
-from autotune.progress import Progress, summary_table
+from autotune.launch.launchers import Launcher, run_trial
+from autotune.launch.pool import RankPool
+from autotune.plan.layout import Layout
+from autotune.plan.space import valid_layouts
 from autotune.record import (
     COMM_BOUND,
     COMPLETE,
@@ -56,15 +54,26 @@ from autotune.record import (
     PREDICTED_OOM,
     PRUNED,
     RECORDED_KEYS,
+    REMEASURED_ATTR,
     Question,
     counts_as_launch,
     holds_layout,
+    remeasured_figures,
 )
 from autotune.report import write_csv, write_reports
 from autotune.report.table import ranked
-from autotune.samplers import GridSampler, LayoutSampler, ModelSampler, RandomSampler, TpeSampler, layout_from_params
-from autotune.space import valid_layouts
-from autotune.storage import Claim, load_study, open_storage, optuna_quiet, redact
+from autotune.study import remeasure, stopping
+from autotune.study.optuna_compat import HEARTBEAT_ATTR
+from autotune.study.progress import Progress, summary_table
+from autotune.study.samplers import (
+    GridSampler,
+    LayoutSampler,
+    ModelSampler,
+    RandomSampler,
+    TpeSampler,
+    layout_from_params,
+)
+from autotune.study.storage import Claim, load_study, open_storage, optuna_quiet, redact
 
 # A trial's wall-clock limit: generous multiples of its predicted run time, never below a
 # floor that covers process start-up, imports and process-group set-up.
@@ -244,7 +253,7 @@ class Controller:
     def remeasure_leaders(self) -> int:
         """Run the leading complete layouts again in fresh processes (remeasure.py); the runs
         that complete join the trial's figures. Returns how many layouts were run again."""
-        done = dict(self.study.user_attrs.get(remeasure.ATTR, {}))
+        done = dict(self.study.user_attrs.get(REMEASURED_ATTR, {}))
         leaders = remeasure.leaders(self.study.get_trials(deepcopy=False), self.q.confirm, done)
         for i, t in enumerate(leaders):
             layout = self.sampler.by_name.get(t.user_attrs["layout"])
@@ -255,12 +264,12 @@ class Controller:
                                             f"{i + 1} of {len(leaders)}", highlight=False)
             record = self.launch(t.number, layout, self.predict(layout, self.calibration()), again=True)
             if record["status"] == COMPLETE:
-                done[str(t.number)] = done.get(str(t.number), []) + [remeasure.kept(record)]
+                done[str(t.number)] = done.get(str(t.number), []) + [remeasured_figures(record)]
             elif self.progress:
                 self.progress.console.print(f"trial {t.number} measured again: {record['status']}/"
                                             f"{record.get('reason')} ({record.get('error', '')}); its first "
                                             f"figures stand", highlight=False)
-            self.study.set_user_attr(remeasure.ATTR, done)
+            self.study.set_user_attr(REMEASURED_ATTR, done)
         return len(leaders)
 
     def out_of_time(self, deadline: float | None) -> bool:

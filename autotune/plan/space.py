@@ -26,7 +26,7 @@ import yaml
 
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
-from autotune.layout import INT_KEYS, STR_KEYS, Layout, enumerate_layouts
+from autotune.plan.layout import INT_KEYS, STR_KEYS, Layout, enumerate_layouts
 
 OPTION_TYPES = {"max_comm_fraction": float, "steps": int, "warmup": int}
 

@@ -36,7 +36,7 @@ from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
 from autotune.errors import UsageError
-from autotune.optuna_compat import JournalHeartbeatStorage
+from autotune.study.optuna_compat import JournalHeartbeatStorage
 
 GRACE_HEARTBEATS = 4  # a trial is stale after this many missed heartbeats
 JOURNAL_PREFIX = "journal:"
