@@ -6,9 +6,10 @@ import json
 import pytest
 
 from autotune.cli import main
-from autotune.config import PRESET_DIR, load_model, model_from_dict
-from autotune.config.trainable import check_trainable, model_refusal
+from autotune.config import PRESET_DIR, as_trained, load_model, model_from_dict
+from autotune.config.trainable import check_trainable, model_refusal, precision_refusal
 from autotune.errors import UsageError
+from autotune.plan.layout import resolve
 
 TINY = load_model("tiny")
 
@@ -55,3 +56,22 @@ def test_models_describes_files_and_presets_without_cutting_names(capsys, tmp_pa
     (row,) = json.loads(capsys.readouterr().out)
     assert (row["attention"], row["mlp"], row["layers"], row["dtype"]) == ("mla", "swiglu", 61, "bf16")
     assert row["params"] == 671026404352 and row["active_params"] == 37552282624
+
+
+def test_fp16_where_the_loss_scaler_cannot_reach_is_refused_before_launching(capsys):
+    """fp16 under PP, and fp16 with MoE, exit 2 with one line instead of failing inside the ranks."""
+    for argv, words in ((["trial", "--model", "tiny", "--gpus", "2", "--layout", "pp=2", "--dtype", "fp16"],
+                         "fp16 under pipeline parallel (pp=2)"),
+                        (["trial", "--model", "tiny-moe", "--gpus", "2", "--layout", "dp=2", "--dtype", "fp16"],
+                         "fp16 with MoE"),
+                        (["run", "--model", "tiny-moe", "--gpus", "2", "--dtype", "fp16"], "fp16 with MoE")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0]
+
+
+def test_fp16_leaves_only_pipeline_layouts_out():
+    tiny = as_trained(TINY, "cpu", "fp16")
+    pipelined, flat = (resolve(text, TINY, 2) for text in ("pp=2", "dp=2"))
+    assert precision_refusal(tiny, pipelined.pp) and precision_refusal(tiny, flat.pp) is None
+    assert precision_refusal(as_trained(TINY, "cpu", "bf16"), pipelined.pp) is None

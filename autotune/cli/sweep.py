@@ -93,8 +93,8 @@ def cmd_run(args) -> int:
     from autotune.study.controller import run_sweep  # optuna and friends: only for commands that need them
 
     model = load_model(args.model)
-    check_trainable(model)
-    as_trained(model, args.device, args.dtype, args.grad_dtype)  # --grad-dtype against the dtype, before any study
+    # --grad-dtype against the dtype, and the precision against the model, before any study.
+    check_trainable(as_trained(model, args.device, args.dtype, args.grad_dtype))
     space = load_space(args.space)
     hardware = load_hardware(args.hardware or default_hardware(args.device))
     if args.gpus_per_node is not None:

@@ -58,10 +58,11 @@ def cmd_trial(args) -> int:
         hardware = load_hardware(args.hardware)
         scale_up = (hardware.with_gpus_per_host(args.gpus_per_node) if args.gpus_per_node else hardware).scale_up_gpus
     layout = resolve(args.layout, model, args.gpus, scale_up)
-    check_trainable(model)
+    trained = as_trained(model, args.device, args.dtype, args.grad_dtype)
+    check_trainable(trained, layout.pp)
     launcher = Launcher(args.launcher, args.gpus_per_node, args.hosts)
     launcher.check(args.gpus)
-    spec = TrialSpec(model=dataclasses.asdict(as_trained(model, args.device, args.dtype, args.grad_dtype)),
+    spec = TrialSpec(model=dataclasses.asdict(trained),
                      layout=str(layout),
                      steps=args.steps,
                      warmup=args.warmup, seed=args.seed, device=args.device,

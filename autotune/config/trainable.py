@@ -34,7 +34,25 @@ def model_refusal(model: ModelConfig) -> str | None:
     return None
 
 
-def check_trainable(model: ModelConfig) -> None:
-    problem = model_refusal(model)
+def precision_refusal(trained: ModelConfig, pp: int = 1) -> str | None:
+    """Why the runtime cannot train this model, in the precision it trains in, with pp
+    pipeline stages, or None.
+
+    fp16 needs a loss scaler: the runtime scales the language-model loss, but not the MoE
+    balance loss, and torch's pipeline schedules call backward themselves, so the scaler
+    cannot reach them."""
+    if trained.dtype != "fp16":
+        return None
+    if trained.moe is not None:
+        return f"{trained.name}: --dtype fp16 with MoE is not trained (the balance loss is not loss-scaled); use bf16"
+    if pp > 1:
+        return (f"layout: fp16 under pipeline parallel (pp={pp}) is not trained (torch's pipeline "
+                f"schedules run backward outside the loss scaler); use bf16 or pp=1")
+    return None
+
+
+def check_trainable(model: ModelConfig, pp: int = 1) -> None:
+    """Raise the one-line refusal for a model (as trained) the runtime cannot train with pp stages."""
+    problem = model_refusal(model) or precision_refusal(model, pp)
     if problem:
         raise UsageError(problem)

@@ -38,6 +38,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.config import GIB
+from autotune.config.trainable import precision_refusal
 from autotune.errors import UsageError
 from autotune.estimate import Calibration, calibrate, estimate
 from autotune.launch.launchers import Launcher, run_trial
@@ -171,7 +172,13 @@ class Controller:
         self.shared = shared
         self.model = question.model_config
         self.hardware = question.hardware_config
-        self.layouts = valid_layouts(self.model, question.gpus, question.space_config, question.scale_up)
+        # Layouts the runtime cannot train in this precision (fp16 under PP) are no candidates.
+        self.layouts = [layout for layout in valid_layouts(self.model, question.gpus, question.space_config,
+                                                            question.scale_up)
+                        if precision_refusal(question.trained_model, layout.pp) is None]
+        if not self.layouts:
+            raise UsageError(f"space {question.space_config.name}: every valid layout needs pp > 1, which "
+                             f"--dtype fp16 does not train; use bf16 or a space with pp=1")
         self.budget_bytes = question.memory_budget_gb * GIB if question.memory_budget_gb else None
         self.sampler = make_sampler(question, self.layouts, self.scorer)
         study.sampler = self.sampler  # the sampler depends on the layouts, known only now
