@@ -11,4 +11,5 @@ from support.spawn_group import run_on_ranks
 def test_the_released_all_gather_leaves_no_reference_to_its_output():
     for answer in run_on_ranks(2, references_after_all_gathers, 200, 4096):
         assert answer["right"]
+        assert answer["late"]["held"] == 200, answer  # the count sees a reference the caller keeps
         assert answer["late"]["released"] == 0, answer  # torch's own call may leave one: gloo's worker
