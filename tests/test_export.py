@@ -18,6 +18,7 @@ from autotune.export.megatron import megatron
 from autotune.export.megatron_pipeline import layout_string, microbatch_group
 from autotune.export.torchtitan import torchtitan
 from support import megatron_rules
+from support.frameworks import require
 from support.export_layouts import targets
 
 TARGETS = targets()
@@ -118,6 +119,7 @@ class FakeMpu:
 @pytest.fixture
 def deepspeed_world(monkeypatch):
     """DeepSpeedConfig reads the world size from deepspeed.comm; give it `gpus` ranks."""
+    require("deepspeed")
     import deepspeed.runtime.config as ds_config
 
     def set_world(gpus: int):

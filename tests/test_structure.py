@@ -168,3 +168,15 @@ def test_the_package_root_holds_few_modules():
     """The root holds the CLI and the shared vocabulary; everything else lives in its district."""
     root = sorted(p.name for p in (ROOT / "autotune").glob("*.py"))
     assert len(root) <= 10, root
+
+
+def test_no_folder_at_the_repository_root_shadows_an_installed_package():
+    """Commands and tests run from the repository root, where the root is on sys.path: a
+    folder there that is a regular package would hide an installed one of its name (PyPI's
+    `kernels`, which transformers imports). kernels/ is a plain folder installed as
+    autotune_kernels; the installed import must keep working."""
+    regular = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    assert regular == ["autotune", "search_spaces"], regular
+    import autotune_kernels.attention
+
+    assert Path(autotune_kernels.attention.__file__).resolve().parent == ROOT / "kernels"
