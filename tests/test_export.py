@@ -18,8 +18,8 @@ from autotune.export.megatron import megatron
 from autotune.export.megatron_pipeline import layout_string, microbatch_group
 from autotune.export.torchtitan import torchtitan
 from support import megatron_rules
-from support.frameworks import require
 from support.export_layouts import targets
+from support.frameworks import require
 
 TARGETS = targets()
 IDS = [name for name, _ in TARGETS]

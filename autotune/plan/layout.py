@@ -405,9 +405,9 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
     drops are counted, never built.
 
     Keys are chosen one at a time (_CHOICE_ORDER) and each rule is applied as soon as the
-    keys it reads are known, so a broken rule prunes every combination below it:
-    deepseek-v3 on 256 GPUs has 4.4 million combinations in estimate.reasonable_space and
-    272,494 valid layouts. It goes in two stages: every valid canonical combination of the
+    keys it reads are known, so a broken rule prunes every combination below it (a large
+    model's space has millions of combinations and a small share of valid layouts:
+    benchmarks/estimate_speed.py). It goes in two stages: every valid canonical combination of the
     state keys (a prefix), then the other keys below each prefix not skipped. Combinations
     of the state keys with the same canonical values have the same layouts below them
     (folding changes nothing, Layout.folded), so each canonical prefix is expanded once, at

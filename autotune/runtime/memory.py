@@ -16,37 +16,18 @@ CUDA: the caching allocator's statistics, reset at the start of every measured s
 CPU: the allocator's own running total. With c10's `caffe2_report_cpu_memory_usage` on
 (torch_compat.track_cpu_allocations) every CPU allocation and free updates one counter,
 on any thread, and the profiler's memory events carry it (`total_allocated`); the
-level after each event is that total. What we learned measuring it, and why it is built
-this way:
-- Summing the profiler's memory events instead misses frees: a free on a gloo worker
-  thread outside the collective it served (the thread dropping its handle on a finished
-  collective, the last holder of a buffer) is not recorded. On tiny at tp=2 that lost
-  0.6-1.0 MB a step, so a "peak" grew with every measured step and differed from run to
-  run (5.0-5.4 MB at the first step against 4.40 MB with every free counted).
-- gloo allocates scratch of its own, which NCCL does not take from torch's allocator:
-  a flat copy of an all-gather's output on its worker thread, and a temporary inside the
-  `c10d::_allgather_base_` call on the calling thread (147,968 bytes per tiny block at
-  zero=3: 20 MB over one step). Allocations on gloo's worker threads and inside `c10d::`
-  operators are therefore excluded from the level between their allocation and their
-  free.
-- Which thread frees a scratch block is a race: the calling thread when it drops its
-  handle last (the free is recorded), gloo's worker thread when it does (not recorded).
-  Counting an unrecorded one as live until the end made a step's peak one of several
-  values: u2 (benchmarks/estimator_accuracy.py) at dp=2 zero=3 measured 19.2-21.7 MB per
-  step, 20.0-20.9 MB per trial. The total shows the unrecorded free: it falls by the
-  block's size with no event to explain it (levels), and the block stops counting there.
-  The same layout now measures 19,999,456 or 20,038,876 bytes in every trial (0.2%).
-- The caller's own buffers race too: FSDP's all-gather output is the caller's tensor, but
-  gloo's work object holds it until its worker thread lets go, so when the worker is
-  descheduled past the caller's copy-out the block is freed late and unseen, after the
-  next block's all-gather output is allocated. An MLA+MoE model at dp=2 zero=3 (ua in
-  benchmarks/estimator_accuracy.py) measured 8,784,856 or 8,952,192 bytes a step, 1.9%
-  apart, in any order from trial to trial, and a median of three steps took either. Taking
-  the least step, since a late free only raises one, left two trials of five high on a
-  loaded machine, where every step had the late free. So FSDP's all-gather on the CPU now
-  returns only once gloo has let go of its output (parallel/gloo_release.py): every step
-  of that layout measures 8,784,656-8,784,856 bytes, with two busy processes beside it too.
-  The least step stays, for the other collectives' buffers (a kilobyte at tp=2).
+level after each event is that total. Three rules make that level the peak a CUDA run
+would count (benchmarks/cpu_peak_memory.md has the measurements behind each):
+- The allocator's total, not a sum of the profiler's events: a free on a gloo worker
+  thread outside the collective it served is not recorded as an event, so a sum of events
+  drifts up step after step.
+- gloo's own scratch is left out, as NCCL's is outside torch's allocator: allocations on
+  gloo's worker threads and inside `c10d::` operators do not count between their
+  allocation and their free; a block freed unseen (the total falls with no event) stops
+  counting where the total falls.
+- The caller's buffers are freed in program order: FSDP's all-gather on the CPU returns
+  only once gloo has let go of its output (parallel/gloo_release.py), and the least step
+  is taken for the other collectives' buffers, since a late free only raises a step.
 Without the flag (a torch build whose c10 library does not export it) the level is the
 tensors Python reaches when measuring starts plus the running sum of the recorded
 events, which over-counts as described; the result then says so (`memory_source`).

@@ -10,20 +10,13 @@ both hold:
   that fits to come within MARGIN of the best: best x (1 - MARGIN) or more.
 
 The second condition keeps a sweep going while the estimator still sees a contender;
-the first keeps it from stopping on the estimator's word alone. The constants come
-from benchmarks/stopping_rule.py on the six search-efficiency scenarios, 3 seeds each
-(benchmarks/RESULTS.md): patience 10 and margin 25% stop after a median of 26 launches
-with the best found within 2% of the truth's best in 11 of 18 runs (worst 14.8% below);
-patience 5 / margin 10% stopped after 9 launches, 7 of 18 within 2%, worst 31.7% below;
-patience 20 / margin 10% took 34.5 launches for 12 of 18. `--exhaustive` or a budget
-overrides the rule.
+the first keeps it from stopping on the estimator's word alone. The constants are the
+setting benchmarks/stopping_rule.py found best on the search-efficiency scenarios
+(benchmarks/RESULTS.md, "The stopping rule"). `--exhaustive` or a budget overrides the rule.
 
 A small space is measured in proportion to its size: the patience is at most a quarter
-of its layouts (SMALL_SPACE_SHARE), and at least MIN_PATIENCE. On the 20 layouts of
-tiny's quick space at 4 processes that is 5: the README's first sweep stopped after 16
-of 20 layouts at patience 10 (4.5 min on two cores, most of it in tensor-parallel
-layouts 10-60x slower than the best) and stops after 11 at 5, with the same answer.
-The scenarios of the benchmark (294 layouts and more) keep 10.
+of its layouts (SMALL_SPACE_SHARE), and at least MIN_PATIENCE, so a first sweep of a
+few dozen layouts does not measure nearly all of them before it may stop.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Data parallel for zero 0 and 1: what Megatron-LM's DDP and distributed optimizer hold.
 
-    per parameter (bytes)    zero 0         zero 1 over N ranks
-    parameters               2 bf16 / 4     2 / 4         the model computes in them
-    gradients, fp32          4              4             one flat buffer (`main_grad`)
-    master weights, fp32     4 (bf16 only)  4/N           what AdamW updates
-    AdamW's two states       8              8/N
-    total, bf16              18             6 + 12/N
-    total, fp32              16             8 + 8/N       (the parameters are their own masters)
-    bf16 gradients           16 + 4         4 + 16/N      (grad_dtype bf16: a 2-byte buffer, and
-                                                           an fp32 copy of the rank's slice for
-                                                           the step: Megatron's table)
+It holds the parameters the model computes in, one flat fp32 gradient buffer
+(`main_grad`), fp32 master weights (bf16 parameters only) and AdamW's two states, the
+last two sharded over the data ranks at zero 1: the bytes per parameter that
+estimate/memory.py prices (its docstring has the table, as Megatron-LM's).
 
 torch has no such data parallel that composes with DTensor tensor parallel (DDP does
 not; FSDP2's replicate keeps fp32 parameters beside a full working copy: 4 + 2 bytes
