@@ -57,7 +57,7 @@ def test_sequence_parallel_and_lowered_pipelines_hold_what_the_estimator_prices(
     half's input as its shard (parallel/sp_saved.py: torch's plan keeps the gathered
     sequence: 0.26 MB, 6% more at mbs=2) and a lowered schedule freeing its sends once they
     arrived (parallel/pp_sends.py: torch keeps them to the step's end, m x 2 boundary
-    tensors: 0.5 MB, 10% more at its 16 micro-batches). Measured -0.6% and -0.0% of the
+    tensors: 0.5 MB, 10% more at its 16 micro-batches). Each peak within 3% of the
     estimate. TP at 4 micro-batches a step: a tp=2 micro-batch is the costly one to run."""
     from autotune.config import load_hardware
     from autotune.estimate import estimate
@@ -78,7 +78,7 @@ def test_bf16_gradients_hold_what_the_estimator_prices():
     """grad_dtype bf16 at zero 0 and 1: a 2-byte gradient buffer instead of 4, and the fp32
     copy of the rank's slice the step reads (Megatron's 4 + 16/N bytes per parameter at
     zero 1). Each peak within 3% of the estimate and below the same layout's with fp32
-    gradients. Measured on tiny at dp=2: -0.03% (zero 1), +0.01% (zero 0) of the estimate."""
+    gradients."""
     from autotune.config import load_hardware
     from autotune.estimate import estimate
     from support.spawn_group import run_layouts

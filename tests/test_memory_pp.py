@@ -36,9 +36,9 @@ def test_fsdp_stages_hold_their_unsharded_gradients_as_the_estimator_prices():
     reduce once after its last backward (runtime/parallel/pp.py), so from the stage's first
     backward to then a rank holds the stage's whole fp32 gradients, not their shards. On
     tiny at pp=2 dp=2 zero=2 (4 ranks) the allocator's peak is within 0.5% of the estimate
-    (measured -0.003% under 1F1B, whose peak has the whole gradients, as a reduction per
-    micro-batch would not, 5% less; -0.04% under GPipe, whose peak is the last stage's
-    first backward, before any gradient)."""
+    under 1F1B, whose peak has the whole gradients (a reduction per micro-batch would hold
+    5% less), and under GPipe, whose peak is the last stage's first backward, before any
+    gradient."""
     from autotune.config import load_hardware, load_model
     from autotune.estimate import estimate
     from autotune.plan.layout import resolve
