@@ -24,14 +24,66 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
+from typing import Final, Literal, Required, TypedDict
 
 from autotune.config import HardwareConfig, ModelConfig, as_trained, hardware_from_dict, model_from_dict
 from autotune.plan.space import Space
 from autotune.trialspec import TrialSpec
 
-COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
-PREDICTED_OOM, OOM, COMM_BOUND = "predicted_oom", "oom", "comm_bound"
-TIMEOUT, CRASH, ERROR, INTERRUPTED = "timeout", "crash", "error", "interrupted"
+# A trial ends complete, pruned (it cannot win: over the memory budget, communication-bound)
+# or failed (it did not finish), with a reason for the last two (docs/results.md).
+Status = Literal["complete", "pruned", "failed"]
+Reason = Literal["predicted_oom", "oom", "comm_bound", "timeout", "crash", "error", "interrupted"]
+COMPLETE: Final[Status] = "complete"
+PRUNED: Final[Status] = "pruned"
+FAILED: Final[Status] = "failed"
+PREDICTED_OOM: Final[Reason] = "predicted_oom"
+OOM: Final[Reason] = "oom"
+COMM_BOUND: Final[Reason] = "comm_bound"
+TIMEOUT: Final[Reason] = "timeout"
+CRASH: Final[Reason] = "crash"
+ERROR: Final[Reason] = "error"
+INTERRUPTED: Final[Reason] = "interrupted"
+
+
+class TrialResult(TypedDict, total=False):
+    """A trial's result JSON (`autotune trial --json`, runtime/trial.py), as the study and
+    the reports read it. A failed trial holds the first four keys and the launcher's
+    account of the failure; a measured one the rest, each metric as its definition says
+    (runtime/trial.py's measurements)."""
+
+    status: Required[Status]
+    reason: Required[Reason | None]
+    error: str
+    layout: str
+    model: str
+    world_size: int
+    grad_accum: int
+    device: str
+    steps: int
+    warmup: int
+    dtype: str
+    losses: list[float]
+    precision_emulated: bool | None
+    memory_budget_bytes: float | None
+    torch_version: str
+    ep_token_imbalance: dict[str, float] | None
+    step_times_s: list[float]
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    flops_per_token: float
+    peak_tflops: float
+    peak_tflops_source: str
+    mfu: float
+    peak_mem_bytes: int
+    memory_source: str
+    reserved_mem_bytes: int | None
+    comm_fraction: float
+    comm_fraction_mean: float
+    exposed_comm_fraction: float
+    exposed_comm_fraction_mean: float
+    duration_s: float
 
 # Exposed communication above this share of the step prunes a layout (the practitioners' rule of
 # thumb: a step spending more than 30% communicating is cut too finely).

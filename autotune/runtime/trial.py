@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from autotune.config import GIB, ModelConfig, load_hardware, model_from_dict
 from autotune.plan.layout import resolve
-from autotune.record import COMPLETE, OOM, PROFILED_METRICS, PRUNED
+from autotune.record import COMPLETE, OOM, PROFILED_METRICS, PRUNED, TrialResult
 from autotune.runtime.data import micro_batches
 from autotune.runtime.faults import fault_for
 from autotune.runtime.mesh import mesh_for
@@ -72,7 +72,7 @@ def memory_budget(spec: TrialSpec, device: torch.device) -> int | None:
     return budget
 
 
-def run(spec: TrialSpec, keep: dict | None = None) -> dict:
+def run(spec: TrialSpec, keep: dict | None = None) -> TrialResult:
     """Run the trial on the current process group; every rank returns the same summary.
 
     `keep`, when given, receives the trainer and the meshes, for tests that inspect the
@@ -119,7 +119,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> dict:
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
 
-    result = {
+    result: TrialResult = {
         "status": COMPLETE,
         "reason": None,
         "model": cfg.name,
