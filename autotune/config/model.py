@@ -113,7 +113,7 @@ class ModelConfig:
     The defaults are a Llama: RMSNorm, no biases, SwiGLU, full causal GQA attention.
     `bias`, `norm` and `learned_positions` describe the GPT-2 / NeoX / Phi / Qwen2 /
     GPT-OSS families exactly enough to count their parameters; the runtime trains only
-    the defaults of those three (runtime/support.py says what it refuses).
+    the defaults of those three (config/trainable.py says what it refuses).
     """
 
     name: str

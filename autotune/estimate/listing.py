@@ -47,7 +47,7 @@ def price_every_layout(model: ModelConfig, gpus: int, hardware: HardwareConfig, 
                        ) -> tuple[list[Estimate], int, int]:
     """(the estimates of the valid layouts of `reasonable_space` that may fit, how many valid
     layouts there are, how many of them were not priced because their state alone is over
-    the budget: estimate_memory.state_floor). On a large model most layouts of a cluster
+    the budget: memory.state_floor). On a large model most layouts of a cluster
     are such (deepseek-v3 on 256 H100s: 246,432 of 272,494); the enumeration counts them
     without building them, one floor per combination of the keys the state depends on.
     The count is exact because reasonable_space's sub-spaces share no layout (they differ
