@@ -9,10 +9,12 @@ kinds of name are checked:
   a file);
 - a path relative to the package, as the code's docstrings write them:
   runtime/memory.py, estimate/memory.py, parallel/pp_sends.py (found under autotune/);
-- a bare module file name (ddp.py), which some tracked file must carry;
+- a bare module file name (ddp.py), which some file of the repository must carry;
 
-and, in Markdown, every relative link target, from the linking file's folder; a
-README section cited by its quoted title (README, "Commands") must be a README heading.
+and, in Markdown, every relative link target, from the linking file's folder (its
+#anchor a heading of the page linked to). A README section cited by its quoted title
+(README, "Commands") must be a heading of the README. A failure lists every missing
+name with its file and line.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def resolves_in_package(path: str) -> bool:
     return any(f.endswith("/" + path) and f.startswith("autotune/") for f in FILES)
 
 
+def anchors(markdown: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as -."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in markdown.read_text().splitlines() if line.startswith("#")}
+
+
 def missing_in(text: str, first_line: int, where: Path) -> list[tuple[int, str]]:
     """(line, name) of each name in `text` that names no file of the repository."""
     missing = []
@@ -90,11 +98,14 @@ def missing_in(text: str, first_line: int, where: Path) -> list[tuple[int, str]]
                 missing.append((number, f'README section "{match.group(1)}"'))
         if where.suffix == ".md":
             for match in MARKDOWN_LINK.finditer(line):
-                target = match.group(1).split("#")[0]
-                if not target or re.match(r"^[a-z]+:", target):
+                target, _, anchor = match.group(1).partition("#")
+                if re.match(r"^[a-z]+:", target):
                     continue
-                if not (where.parent / target).exists():
+                linked = where.parent / target if target else where
+                if not linked.exists():
                     missing.append((number, f"link {target}"))
+                elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                    missing.append((number, f"link {match.group(1)} (no such heading)"))
     return missing
 
 
@@ -123,6 +134,8 @@ def test_the_checker_finds_a_missing_path_and_its_line():
     assert missing_in(text, 10, ROOT / "README.md") == [
         (11, "tests/nowhere/"), (11, "runtime/support.py"), (11, "estimate_memory.py")]
     assert missing_in("[r](../benchmarks/RESULTS.md) [x](gone.md)", 1, ROOT / "docs" / "a.md") == [(1, "link gone.md")]
+    assert missing_in("[s](runtime.md#pipeline-parallel) [t](runtime.md#no-such)", 1, ROOT / "docs" / "a.md") == [
+        (1, "link runtime.md#no-such (no such heading)")]
     assert missing_in('README, "Commands"; README "Estimator"', 1, ROOT / "x.py") == [(1, 'README section "Estimator"')]
 
 
