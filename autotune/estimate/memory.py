@@ -13,7 +13,7 @@ The terms (`TERMS`), in the trained precision (fp32, or bf16 mixed precision):
     gathered_params  zero 2/3: the parameters FSDP has gathered (compute dtype)
     activations      what autograd saves, over the micro-batches in flight
     pipeline_buffers what pipeline parallel adds: stage outputs kept until their backward,
-                     sends a lowered schedule keeps until the step ends
+                     sends not yet proven arrived (runtime/parallel/pp_sends.py)
     logits           the loss's: one micro-batch's logits, their gradient, fp32 chunks
     temporaries      what lives only at the moment of the peak (a backward's gradients)
     overhead         token ids; on CUDA the allocator's fixed workspaces
