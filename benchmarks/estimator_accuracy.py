@@ -12,7 +12,7 @@ measured without rerunning the whole table.
 
 Each case is measured as a user measures it: `autotune trial --json` in its own
 processes, its `peak_mem_bytes` (the allocator's bytes of live tensors at their peak in
-each measured step, least over the steps, max over ranks: README, Metrics), against
+each measured step, least over the steps, max over ranks: docs/metrics.md), against
 `autotune estimate --hardware cpu`'s `peak_mem_bytes` for the same model, layout and
 `--dtype` (`bf16-grads`: `--dtype bf16 --grad-dtype bf16`, gradients kept and reduced in
 bf16). The models (MODELS) are shaped unlike any preset or test model: odd widths,
@@ -297,7 +297,7 @@ The estimator against every launched trial of the sweeps {', '.join(f'`{Path(f).
 (tiny, `quick` space, CPU; tiny_sweeps.py makes them). Measured peak memory: the trial's
 `peak_mem_gb` (on the CPU the profiler's: each measured step's live tensors at its start plus
 the highest running sum of its allocation events, the least over the steps, max over ranks;
-README, Metrics), over every launched layout
+docs/metrics.md), over every launched layout
 whether complete or not. Predicted: as the sweep recorded it (`predicted_peak_mem_gb`, priced
 with the calibration fitted to the trials before it) and uncalibrated. Throughput: Spearman rank
 correlation of predicted vs measured tokens/s over the complete trials: as recorded (none for

@@ -140,7 +140,7 @@ allocator's highest level less its level before, bytes per logit (the logits inc
 
 The exported torchtitan command compiles the loss (`--compile.enable --compile.components
 loss`), so that torchtitan holds what the estimator prices. Megatron-LM's export says what
-its loss holds beyond ours at the layout (README, Exports). The eager figures are what
+its loss holds beyond ours at the layout (docs/results.md, "best/"). The eager figures are what
 torchtitan's published runs of December 2024 held (their loss ran eager; loss_parallel under
 TP), and those of the torchtitan of March 2024 and of Megatron's unfused cross-entropy what
 the runs of published_runs.csv with an active or allocated figure held: published_runs.py

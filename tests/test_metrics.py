@@ -1,4 +1,4 @@
-"""A trial's metrics (README "Metrics"): FLOPs per token by hand, MFU and the summaries
+"""A trial's metrics (docs/metrics.md): FLOPs per token by hand, MFU and the summaries
 from the measured numbers, the peak's sources, and the memory budget through the CLI."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""`autotune`: the command line (a contract: README, "Command line").
+"""`autotune`: the command line (a contract: README, "Commands").
 
 Bad input exits with code 2 and one line naming the field and the rule; with --json
 stdout holds exactly one JSON document and everything else goes to stderr.

@@ -68,7 +68,7 @@ def host_list(text: str) -> tuple[str, ...]:
 
 
 def add_launcher_options(p: argparse.ArgumentParser, default: str | None = "local") -> None:
-    """How a trial's processes start; README, "Sweeps on several machines"."""
+    """How a trial's processes start; docs/layouts-and-sweep.md, "Sweeps on several machines"."""
     p.add_argument("--launcher", choices=LAUNCHERS, default=default,
                    help="local: every rank here (torchrun --standalone); torchrun: one agent per node of --hosts, "
                         "c10d rendezvous; slurm: one srun step per trial in the current allocation"

@@ -142,7 +142,7 @@ def precision_tflops(hardware: HardwareConfig, dtype: str) -> tuple[float, float
 @per_model_object
 def trained_model(model: ModelConfig, device: str, dtype: str | None, grad_dtype: str | None) -> ModelConfig:
     """as_trained, one object per (model, device, dtype, grad_dtype): the estimator memoises
-    its per-model figures by the model object (estimate_memory.model_figures)."""
+    its per-model figures by the model object (memory.model_figures)."""
     trained = as_trained(model, device, dtype, grad_dtype)
     return model if trained == model else trained
 

@@ -167,7 +167,7 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     linear_rate = linear_flops_per_s or flops_per_s
 
     def op_rerun(moe: bool) -> float:
-        """Op recompute's second matmuls (estimate_memory.op_recomputed_params): the
+        """Op recompute's second matmuls (memory.op_recomputed_params): the
         attention's wk and wo split by tp; the MLP's gate or down split by tp, or the
         shared experts' whole (MoE blocks are not split) at the experts' rate."""
         q, k, _ = attention_widths(model)

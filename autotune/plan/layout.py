@@ -4,7 +4,7 @@
     global batch = mbs * grad_accum * dp
 
 `Layout` is plain data; `resolve` fills in derived degrees and checks every rule
-(README, "Layouts"), each failure naming the key, the rule and the numbers, so a
+(docs/layouts-and-sweep.md), each failure naming the key, the rule and the numbers, so a
 user can fix a layout by reading one line. `enumerate_layouts` lists every valid
 layout of a search space, with keys that make no difference folded away (zero at
 dp=1, sp at tp=1, the schedule at pp=1) so that no layout appears twice.

@@ -1,4 +1,4 @@
-"""trials.csv: one row per trial in every state, with stable columns (README, "Results").
+"""trials.csv: one row per trial in every state, with stable columns (docs/results.md).
 
 It is rewritten after every trial so an interrupted sweep still has it; the same
 table, with a few columns more, feeds the HTML report.

@@ -1,7 +1,7 @@
 """What every rank of a trial runs: build -> parallelize -> warm up -> profile -> emit JSON.
 
 The measured steps run under torch.profiler (runtime/profiling.py); after them every
-rank's figures are gathered once and turned into the trial's metrics (README "Metrics").
+rank's figures are gathered once and turned into the trial's metrics (docs/metrics.md).
 
 Started by the launcher (torchrun or srun) as `python -m autotune.runtime.trial --spec JSON`.
 Rank 0 prints the result as one line `AUTOTUNE_RESULT {...}` on stdout; a rank that
@@ -150,7 +150,7 @@ def run(spec: TrialSpec, keep: dict | None = None) -> TrialResult:
 
 
 def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_source: str) -> dict:
-    """The trial's figures from every rank's (README "Metrics"):
+    """The trial's figures from every rank's (docs/metrics.md):
 
         step_time_s          = median over measured steps of (max over ranks of the step's wall time)
         tokens_per_s         = global_batch_size * seq_len / step_time_s

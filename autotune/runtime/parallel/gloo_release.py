@@ -9,7 +9,7 @@ benchmarks/estimator_accuracy.py) measured 8,784,856 or 8,952,192 bytes, in two 
 five on a loaded machine even with the least of three steps (runtime/memory.py). Here
 the call waits, after the collective, until the buffer's storage has no more references
 than it had before the collective, so each block is freed where the program frees it,
-which is what a peak means (README, Metrics). FSDP issues its all-gathers synchronously
+which is what a peak means (docs/metrics.md). FSDP issues its all-gathers synchronously
 when there is no all-gather stream, as on the CPU, so the wait hides no overlap; on CUDA
 FSDP keeps torch's own all-gather.
 """

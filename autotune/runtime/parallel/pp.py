@@ -28,7 +28,7 @@ reduction the rank holds the stage's whole gradients (in FSDP's reduce dtype), n
 shards. Kept as torch and torchtitan have it, the layout's verdict being torchtitan's: a
 reduce-scatter per micro-batch would hold only the shards but multiply the data-parallel
 traffic by the micro-batches of a step (4 to 64 in pipelines); the estimator prices the
-whole gradients (estimate_memory.gradients_held). The runtime builds FSDP with
+whole gradients (estimate/memory.py, gradients_held). The runtime builds FSDP with
 reshard_after_forward=False under PP (dp.py), so the gathered parameters stay from the
 step's first forward to that reduction; zero 3 then behaves as zero 2. The multi-stage
 schedules also gather each stage's parameters explicitly before its first action
