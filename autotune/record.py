@@ -24,11 +24,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import Final, Literal, Required, TypedDict
+from typing import TYPE_CHECKING, Any, Final, Literal, Required, TypedDict
 
 from autotune.config import HardwareConfig, ModelConfig, as_trained, hardware_from_dict, model_from_dict
 from autotune.plan.space import Space
 from autotune.trialspec import TrialSpec
+
+if TYPE_CHECKING:  # optuna loads for seconds: only the commands that run a study import it
+    import optuna
 
 # A trial ends complete, pruned (it cannot win: over the memory budget, communication-bound)
 # or failed (it did not finish), with a reason for the last two (docs/results.md).
@@ -107,10 +110,10 @@ PREDICTED_KEYS = ("peak_mem_bytes", "tokens_per_s", "step_time_s", "mfu", "comm_
 class Question:
     """What the user asked: stored with the study so `report` and `worker` can read it."""
 
-    model: dict  # ModelConfig fields
+    model: dict[str, Any]  # ModelConfig fields
     gpus: int
-    space: dict  # Space fields
-    hardware: dict  # HardwareConfig fields
+    space: dict[str, Any]  # Space fields
+    hardware: dict[str, Any]  # HardwareConfig fields
     objective: str = "tokens_per_s"
     sampler: str = "model"
     max_comm_fraction: float = DEFAULT_MAX_COMM_FRACTION
@@ -132,18 +135,18 @@ class Question:
     confirm: int = 3  # --confirm: the leading layouts measured again at the end (remeasure.py)
 
     @classmethod
-    def from_dict(cls, stored: dict) -> "Question":
+    def from_dict(cls, stored: dict[str, Any]) -> "Question":
         """The question as a study stores it; fields an older version did not write take
         their defaults."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in stored.items() if k in known})
 
     @classmethod
-    def from_study(cls, study) -> "Question":
+    def from_study(cls, study: optuna.Study) -> "Question":
         """The question of an Optuna study that `autotune run` created."""
         return cls.from_dict(study.user_attrs["question"])
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @property
@@ -166,7 +169,7 @@ class Question:
 
     @property
     def model_name(self) -> str:
-        return self.model.get("name", "?")
+        return str(self.model.get("name", "?"))
 
     @property
     def per_node(self) -> int:
@@ -187,13 +190,13 @@ class Question:
                          device=self.device, memory_budget_gb=self.memory_budget_gb, peak_tflops=self.peak_tflops,
                          hardware=self.hardware.get("name"))
 
-    def identity(self) -> dict:
+    def identity(self) -> dict[str, Any]:
         """What must match for a re-run to resume this study rather than start another."""
         return {"model": self.model, "gpus": self.gpus, "space": self.space["values"], "device": self.device,
                 "objective": self.objective, "dtype": self.dtype}
 
 
-def holds_layout(trial) -> bool:
+def holds_layout(trial: optuna.trial.FrozenTrial) -> bool:
     """Whether an Optuna trial has its layout: measured, pruned, failed on, running, or
     queued to run again (WAITING: the retry of a trial whose worker died).
 
@@ -209,7 +212,7 @@ def holds_layout(trial) -> bool:
     return True
 
 
-def counts_as_launch(trial) -> bool:
+def counts_as_launch(trial: optuna.trial.FrozenTrial) -> bool:
     """Whether a trial counts against --trials: every holder of a layout (finished,
     running, or queued again) but those the estimator pruned unlaunched."""
     return holds_layout(trial) and trial.user_attrs.get("reason") != PREDICTED_OOM
@@ -225,11 +228,12 @@ REMEASURED_ATTR = "remeasured"
 REMEASURED_KEYS = METRICS + ("step_times_s", "duration_s")
 
 
-def remeasured_figures(record: dict) -> dict:
+def remeasured_figures(record: dict[str, Any]) -> dict[str, Any]:
     return {key: record[key] for key in REMEASURED_KEYS if record.get(key) is not None}
 
 
-def merged(attrs: dict, value: float | None, runs: list[dict], objective: str) -> tuple[dict, float | None]:
+def merged(attrs: dict[str, Any], value: float | None, runs: list[dict[str, Any]],
+           objective: str) -> tuple[dict[str, Any], float | None]:
     """A trial's figures over its own run and its re-runs: each metric's median, the
     objective's too; step_times_s all measured steps of every run."""
     if not runs:
@@ -244,7 +248,7 @@ def merged(attrs: dict, value: float | None, runs: list[dict], objective: str) -
     return out, out.get(objective, value)
 
 
-def step_time_spread(attrs: dict) -> tuple[float | None, float | None]:
+def step_time_spread(attrs: dict[str, Any]) -> tuple[float | None, float | None]:
     """The fastest and the slowest measured step (over every run of a re-measured trial)."""
     steps = attrs.get("step_times_s") or []
     return (min(steps), max(steps)) if steps else (None, None)

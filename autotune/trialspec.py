@@ -11,7 +11,9 @@ import dataclasses
 import json
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # Lines by which the ranks talk to the launcher: rank 0's result on stdout, any rank's
 # failure on stderr.
@@ -38,14 +40,14 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def dying_with(parent_pid: int):
+def dying_with(parent_pid: int) -> Callable[[], None]:
     """A `preexec_fn` for subprocess: the child dies with `parent_pid` (this process)."""
     return lambda: die_with_parent(parent_pid)
 
 
 @dataclass
 class TrialSpec:
-    model: dict  # ModelConfig fields
+    model: dict[str, Any]  # ModelConfig fields
     layout: str  # a full layout string (every key)
     steps: int = 5  # measured optimizer steps
     warmup: int = 2  # steps run before measuring (allocator, caches, first collectives)
@@ -60,7 +62,7 @@ class TrialSpec:
     # False: time the steps only, without torch.profiler (no communication or memory
     # figures): for runs that only compare losses, where profiling is pure overhead.
     profile: bool = True
-    extra: dict = field(default_factory=dict)  # options later dimensions add
+    extra: dict[str, Any] = field(default_factory=dict[str, Any])  # options later dimensions add
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

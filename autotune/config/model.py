@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from autotune.config import model_size
 from autotune.config.dtypes import compute_dtype_name, parse_dtype, parse_grad_dtype
@@ -19,10 +21,11 @@ from autotune.config.files import build, positive, read_mapping, resolve_file
 from autotune.config.hf_config import from_hf_config
 from autotune.errors import UsageError
 
+R = TypeVar("R")
 PRESET_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
-def per_model_object(fn):
+def per_model_object(fn: Callable[..., R]) -> Callable[..., R]:
     """Memoise fn(model, *args) by the model object (a ModelConfig holds lists, so it has no
     hash): the estimator asks for per-model figures for every layout it prices. The entry
     keeps its model alive, so an id is never reused while it is cached; 64 entries at most.
@@ -30,7 +33,7 @@ def per_model_object(fn):
     cache: dict[tuple, tuple] = {}
 
     @functools.wraps(fn)
-    def memoised(model, *args):
+    def memoised(model: Any, *args: Any) -> R:
         key = (id(model), *args)
         hit = cache.get(key)
         if hit is None or hit[0] is not model:
@@ -39,7 +42,7 @@ def per_model_object(fn):
             hit = cache[key] = (model, fn(model, *args))
         return hit[1]
 
-    memoised.cache_clear = cache.clear
+    memoised.cache_clear = cache.clear  # type: ignore[attr-defined]
     return memoised
 
 @dataclass(frozen=True)

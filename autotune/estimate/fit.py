@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 from autotune.config import HardwareConfig, ModelConfig
 from autotune.estimate.calibration import Calibration, default_calibration
@@ -11,7 +12,7 @@ from autotune.estimate.pricing import estimate, trained_model
 from autotune.plan.layout import Layout
 
 
-def calibrate(measured: list[tuple[Layout, dict]], model: ModelConfig, hardware: HardwareConfig,
+def calibrate(measured: list[tuple[Layout, dict[str, Any]]], model: ModelConfig, hardware: HardwareConfig,
               device: str = "cuda", dtype: str | None = None, grad_dtype: str | None = None) -> Calibration:
     """Fit the factors to trials measured in a study, so predictions improve as it runs.
 

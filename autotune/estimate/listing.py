@@ -4,6 +4,7 @@ without `--layout`."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from autotune.config import HardwareConfig, ModelConfig
 from autotune.estimate.memory import state_floor
@@ -12,7 +13,7 @@ from autotune.plan.layout import Layout, enumerate_layouts, enumerate_layouts_sk
 from autotune.plan.schedules import SCHEDULES
 
 
-def reasonable_space(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[dict]:
+def reasonable_space(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[dict[str, Any]]:
     """Sub-spaces covering every dimension, each with schedules and vpp that agree (so
     few combinations are built only to be rejected): tp, pp, cp and ep powers of two
     within their limits (tp in a node, cp at most 16), dp_shard = dp or one node (HSDP),
@@ -20,7 +21,7 @@ def reasonable_space(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[
     def powers(limit: int) -> list[int]:
         return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
-    base = {"tp": powers(min(gpus, gpus_per_node)), "pp": powers(min(gpus, model.num_layers)),
+    base: dict[str, list[Any]] = {"tp": powers(min(gpus, gpus_per_node)), "pp": powers(min(gpus, model.num_layers)),
             "cp": powers(min(gpus, 16, model.seq_len // 2)),
             "ep": powers(min(gpus, model.moe.num_experts)) if model.moe else [1],
             "dp_shard": ["dp"] + ([gpus_per_node] if gpus_per_node < gpus else []),
@@ -34,7 +35,8 @@ def reasonable_space(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[
             {**base, "pp": pipelined, "schedule": names, "vpp": list(vpps)} for vpps, names in by_vpp.items()]
 
 
-def every_layout(model: ModelConfig, gpus: int, gpus_per_node: int, spaces: list[dict] | None = None) -> list[Layout]:
+def every_layout(model: ModelConfig, gpus: int, gpus_per_node: int,
+                 spaces: list[dict[str, Any]] | None = None) -> list[Layout]:
     """Every valid layout of the spaces (default: `reasonable_space`), each once."""
     layouts: dict[Layout, None] = {}
     for space in spaces or reasonable_space(model, gpus, gpus_per_node):
@@ -71,7 +73,7 @@ def price_every_layout(model: ModelConfig, gpus: int, hardware: HardwareConfig, 
 def rank_estimates(estimates: list[Estimate]) -> list[Estimate]:
     """Layouts that fit first, then the predicted OOMs; each by predicted tokens/s,
     fastest first (by peak memory where time is unknown)."""
-    def key(e: Estimate):
+    def key(e: Estimate) -> tuple[bool, float, float]:
         return (not e.fits, -(0.0 if math.isnan(e.tokens_per_s) else e.tokens_per_s), e.peak_mem_bytes)
     return sorted(estimates, key=key)
 

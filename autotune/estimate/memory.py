@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from autotune.config import ModelConfig, model_size, per_model_object
 from autotune.errors import UsageError
@@ -340,10 +340,11 @@ class ModelFigures:
     moe_before: tuple[int, ...]  # moe_before[i]: MoE layers among layers 0..i-1
     flops_per_token: float
     attention_flops_per_token: float  # the cores' (model_size.attention_flops_per_token): a walk over the layers
-    saved: dict  # memo of layer_bytes: (moe, compute bytes, ep?, tp, sp, mode) -> bytes per token
-    shapes: dict  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape,
+    # memo of layer_bytes: (moe, compute bytes, ep?, tp, sp, mode) -> bytes per token
+    saved: dict[tuple[Any, ...], float]
+    shapes: dict[tuple[Any, ...], Any]  # memo of rank_shape: (pp, chunks, V schedule?, tp, sp, ep, rank) -> RankShape,
     # and of pipeline_shapes
-    peaks: dict  # memo of _backward_peaks and of the slowest rank's micro-batch (estimate_time),
+    peaks: dict[tuple[Any, ...], Any]  # memo of _backward_peaks and of the slowest rank's micro-batch (estimate_time),
     # which layouts differing only in data parallel share
 
 

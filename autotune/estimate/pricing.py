@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from autotune.config import GIB, HardwareConfig, ModelConfig, as_trained, per_model_object
 from autotune.estimate.calibration import Calibration, default_calibration
@@ -54,7 +55,7 @@ class Estimate:
     comm_s: dict[str, float] = field(default_factory=dict)  # per dimension, all of it
     exposed_comm_s: dict[str, float] = field(default_factory=dict)  # per dimension, on the critical path
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the layout as its string, unknown (NaN) figures as None. Field by
         field, not dataclasses.asdict (which deep-copies, the Layout too): a listing turns
         tens of thousands of estimates into JSON."""
@@ -148,7 +149,7 @@ def trained_model(model: ModelConfig, device: str, dtype: str | None, grad_dtype
 
 
 @functools.lru_cache(maxsize=1024)
-def slowest_candidates(shapes: tuple) -> list:
+def slowest_candidates(shapes: tuple[Any, ...]) -> list[Any]:
     """The pipeline ranks that can be the slowest: those with an end of the model (the
     embedding, the head), and the middle one with the most layers if it has more than
     either end (equal layers and no end make a middle rank no slower)."""

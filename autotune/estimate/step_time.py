@@ -112,8 +112,8 @@ class MicrobatchWork:
     forward: float = 0.0
     backward_input: float = 0.0
     backward_weight: float = 0.0
-    critical: dict = field(default_factory=dict)
-    total: dict = field(default_factory=dict)
+    critical: dict[str, float] = field(default_factory=dict)
+    total: dict[str, float] = field(default_factory=dict)
 
     def add(self, times: tuple[float, float, float], count: float = 1) -> None:
         self.forward += count * times[0]
@@ -245,8 +245,8 @@ class StepTime(NamedTuple):
     step_s: float
     compute_s: float  # busy time of the slowest pipeline rank (its critical-path communication included)
     bubble_s: float
-    comm_s: dict  # per dimension, all of it
-    exposed_comm_s: dict  # per dimension, on the critical path
+    comm_s: dict[str, float]  # per dimension, all of it
+    exposed_comm_s: dict[str, float]  # per dimension, on the critical path
 
 
 def step_time(model: ModelConfig, layout: Layout, links: Links, flops_per_s: float, device: str,

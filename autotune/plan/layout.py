@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
@@ -93,9 +93,9 @@ class Layout:
         changes = self.folded()
         return dataclasses.replace(self, **changes) if changes else self
 
-    def folded(self) -> dict:
+    def folded(self) -> dict[str, Any]:
         """The keys `canonical` resets, with their canonical values."""
-        changes = {}
+        changes: dict[str, Any] = {}
         if self.pp == 1:
             changes.update(schedule=DEFAULT_SCHEDULE, vpp=1)
         if self.dp == 1:
@@ -115,9 +115,9 @@ LATER_KEYS = ("recompute_layers",)
 assert set(KEYS) == set(INT_KEYS + STR_KEYS)
 
 
-def parse_layout(text: str) -> dict:
+def parse_layout(text: str) -> dict[str, Any]:
     """'tp=2,pp=2,mbs=4' -> {'tp': 2, 'pp': 2, 'mbs': 4} (keys checked)."""
-    given: dict = {}
+    given: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
@@ -137,7 +137,7 @@ def parse_layout(text: str) -> dict:
     return given
 
 
-def resolve(given: dict | str, model: ModelConfig, gpus: int, gpus_per_node: int | None = None) -> Layout:
+def resolve(given: dict[str, Any] | str, model: ModelConfig, gpus: int, gpus_per_node: int | None = None) -> Layout:
     """Fill in omitted keys (dp derived, dp_shard = dp, vpp 2 under a V schedule) and
     check every rule."""
     if isinstance(given, str):
@@ -175,16 +175,19 @@ def resolve(given: dict | str, model: ModelConfig, gpus: int, gpus_per_node: int
 # as the keys it reads are chosen, so a broken rule skips every combination of the keys
 # after it (a large space has millions of combinations and a few per cent of them valid).
 
+Problem = Callable[[Layout, ModelConfig, int, int | None], str | None]  # (layout, model, gpus, gpus_per_node)
+
+
 class Rule(NamedTuple):
     keys: frozenset[str]  # the Layout fields it reads (dp counts as tp, pp and cp: it is derived from them)
-    problem: Callable[[Layout, ModelConfig, int, int | None], str | None]
+    problem: Problem
 
 
 RULES: list[Rule] = []
 
 
-def rule(*keys: str):
-    def register(problem):
+def rule(*keys: str) -> Callable[[Problem], Problem]:
+    def register(problem: Problem) -> Problem:
         RULES.append(Rule(frozenset(keys), problem))
         return problem
     return register
@@ -198,17 +201,17 @@ def _world_size(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None)
 
 
 @rule("dp", "dp_shard")
-def _dp_shard_divides(L, m, gpus, gpus_per_node):
+def _dp_shard_divides(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     return f"layout.dp_shard: must divide dp ({L.dp}), got {L.dp_shard}" if L.dp % L.dp_shard else None
 
 
 @rule("zero")
-def _zero_known(L, m, gpus, gpus_per_node):
+def _zero_known(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     return None if L.zero in ZERO else f"layout.zero: must be one of 0, 1, 2, 3, got {L.zero}"
 
 
 @rule("dp", "dp_shard", "zero")
-def _hsdp_shards_state(L, m, gpus, gpus_per_node):
+def _hsdp_shards_state(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     if L.dp_shard < L.dp and L.zero == 0:
         return (f"layout.dp_shard: HSDP (dp_shard {L.dp_shard} < dp {L.dp}) shards state, "
                 f"so it needs zero >= 1")
@@ -216,19 +219,19 @@ def _hsdp_shards_state(L, m, gpus, gpus_per_node):
 
 
 @rule("sp")
-def _sp_flag(L, m, gpus, gpus_per_node):
+def _sp_flag(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     return None if L.sp in (0, 1) else f"layout.sp: must be 0 or 1, got {L.sp}"
 
 
 @rule("recompute")
-def _recompute_known(L, m, gpus, gpus_per_node):
+def _recompute_known(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     if L.recompute not in RECOMPUTE:
         return f"layout.recompute: must be one of {', '.join(RECOMPUTE)}, got {L.recompute!r}"
     return None
 
 
 @rule("recompute", "recompute_layers")
-def _recompute_layers_need_full(L, m, gpus, gpus_per_node):
+def _recompute_layers_need_full(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     if L.recompute_layers and L.recompute != "full":
         return (f"layout.recompute_layers: recomputes the first K layers of each stage in full, so it "
                 f"needs recompute=full, got recompute={L.recompute}")
@@ -236,16 +239,16 @@ def _recompute_layers_need_full(L, m, gpus, gpus_per_node):
 
 
 @rule("schedule")
-def _schedule_known(L, m, gpus, gpus_per_node):
+def _schedule_known(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     if L.schedule not in SCHEDULES:
         return f"layout.schedule: must be one of {', '.join(SCHEDULES)}, got {L.schedule!r}"
     return None
 
 
 @rule("tp")
-def _tp_splits_evenly(L, m, gpus, gpus_per_node):
+def _tp_splits_evenly(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """Tensor parallel: heads, kv heads, the MLP and the vocabulary split evenly."""
-    for name, size in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
+    for name, size in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads or m.num_heads),
                        ("ffn_hidden_size", m.ffn_hidden_size), ("vocab_size", m.vocab_size)):
         if size % L.tp:
             return f"layout.tp: {name} ({size}) must divide by tp ({L.tp})"
@@ -253,7 +256,7 @@ def _tp_splits_evenly(L, m, gpus, gpus_per_node):
 
 
 @rule("tp")
-def _tp_inside_a_node(L, m, gpus, gpus_per_node):
+def _tp_inside_a_node(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """One node means one scale-up domain (gpus_per_node: the GPUs that share NVLink; 72 on an NVL72 rack)."""
     if gpus_per_node and (L.tp > gpus_per_node or gpus_per_node % L.tp):
         return (f"layout.tp: tp ({L.tp}) must divide gpus_per_node ({gpus_per_node}): "
@@ -262,19 +265,19 @@ def _tp_inside_a_node(L, m, gpus, gpus_per_node):
 
 
 @rule("sp", "tp")
-def _sp_needs_tp(L, m, gpus, gpus_per_node):
+def _sp_needs_tp(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     return "layout.sp: sequence parallel needs tp > 1" if L.sp and L.tp == 1 else None
 
 
 @rule("sp", "tp", "cp")
-def _sp_splits_the_sequence(L, m, gpus, gpus_per_node):
+def _sp_splits_the_sequence(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     if L.sp and m.seq_len % (L.cp * L.tp):
         return f"layout.sp: seq_len ({m.seq_len}) must divide by cp*tp ({L.cp * L.tp}) with sequence parallel"
     return None
 
 
 @rule("cp")
-def _cp_head_tail_chunks(L, m, gpus, gpus_per_node):
+def _cp_head_tail_chunks(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """Context parallel: head-tail sharding cuts the sequence into 2*cp chunks."""
     if L.cp > 1 and m.seq_len % (2 * L.cp):
         return f"layout.cp: seq_len ({m.seq_len}) must divide by 2*cp ({2 * L.cp})"
@@ -282,7 +285,7 @@ def _cp_head_tail_chunks(L, m, gpus, gpus_per_node):
 
 
 @rule("pp", "vpp")
-def _a_layer_per_stage(L, m, gpus, gpus_per_node):
+def _a_layer_per_stage(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """Pipeline parallel: pp*vpp stages of whole layers (stage_split.py balances them, so
     they need not divide evenly)."""
     if m.num_layers < L.pp * L.vpp:
@@ -292,12 +295,12 @@ def _a_layer_per_stage(L, m, gpus, gpus_per_node):
 
 
 @rule("pp", "vpp")
-def _virtual_stages_need_pp(L, m, gpus, gpus_per_node):
+def _virtual_stages_need_pp(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     return "layout.vpp: virtual stages need pp > 1" if L.pp == 1 and L.vpp > 1 else None
 
 
 @rule("recompute_layers", "pp", "vpp")
-def _recompute_layers_below_a_stage(L, m, gpus, gpus_per_node):
+def _recompute_layers_below_a_stage(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     stages = L.pp * L.vpp
     if L.recompute_layers and L.recompute_layers * stages >= m.num_layers:
         return (f"layout.recompute_layers: the first K layers of each of the {stages} stages, so K "
@@ -307,14 +310,14 @@ def _recompute_layers_below_a_stage(L, m, gpus, gpus_per_node):
 
 
 @rule("pp", "vpp", "schedule")
-def _schedule_stages(L, m, gpus, gpus_per_node):
+def _schedule_stages(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     if L.pp > 1 and (problem := SCHEDULES[L.schedule].vpp_error(L.vpp)):
         return f"layout.vpp: schedule {L.schedule} {problem}"
     return None
 
 
 @rule("ep", "dp_shard", "cp")
-def _experts_split_evenly(L, m, gpus, gpus_per_node):
+def _experts_split_evenly(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """Expert parallel: experts split evenly over EP ranks carved from dp_shard x cp."""
     if L.ep == 1:
         return None
@@ -328,7 +331,7 @@ def _experts_split_evenly(L, m, gpus, gpus_per_node):
 
 
 @rule("mbs", "dp")
-def _whole_microbatches(L, m, gpus, gpus_per_node):
+def _whole_microbatches(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """Batch: every data-parallel rank gets whole micro-batches."""
     if m.global_batch_size % (L.mbs * L.dp):
         return f"layout.mbs: global_batch_size ({m.global_batch_size}) must divide by mbs*dp ({L.mbs}*{L.dp})"
@@ -336,7 +339,7 @@ def _whole_microbatches(L, m, gpus, gpus_per_node):
 
 
 @rule("pp", "schedule", "mbs", "dp")
-def _schedule_microbatches(L, m, gpus, gpus_per_node):
+def _schedule_microbatches(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """What torch's schedule asks of the micro-batch count, grad_accum =
     global_batch_size / (mbs*dp) (autotune/plan/schedules.py holds each schedule's rule)."""
     if L.pp == 1:
@@ -358,10 +361,10 @@ def check(layout: Layout, model: ModelConfig, gpus: int, gpus_per_node: int | No
 
 # -- every layout of a space ----------------------------------------------------------------------
 
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(Layout)} | {"dp_shard": "dp"}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Layout)} | {"dp_shard": "dp"}
 
 
-def _unchecked_layout(fields: dict) -> Layout:
+def _unchecked_layout(fields: dict[str, Any]) -> Layout:
     """Layout(**fields) without the dataclass's __init__ (a frozen one sets each field through
     object.__setattr__): the enumeration builds a million of them, and its rules check them.
     `fields`: every key of KEYS and nothing else."""
@@ -383,7 +386,7 @@ _CHOICE_ORDER = STATE_KEYS + ("sp", "recompute", "recompute_layers", "mbs")
 assert set(_CHOICE_ORDER) == set(KEYS) - {"dp"}
 
 
-def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node: int | None = None
+def enumerate_layouts(model: ModelConfig, gpus: int, space: dict[str, Any], gpus_per_node: int | None = None
                       ) -> list[Layout]:
     """Every valid layout whose keys take values from `space` ({key: [values]}), each
     canonical (Layout.canonical) and once: what resolving every combination would give.
@@ -397,7 +400,7 @@ def enumerate_layouts(model: ModelConfig, gpus: int, space: dict, gpus_per_node:
     return enumerate_layouts_skipping(model, gpus, space, gpus_per_node)[0]
 
 
-def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_per_node: int | None = None,
+def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict[str, Any], gpus_per_node: int | None = None,
                                skip: Callable[[Layout], bool] | None = None) -> tuple[list[Layout], int]:
     """(enumerate_layouts' layouts but those `skip` is true for, how many valid layouts it
     was true for). `skip` reads only STATE_KEYS (the rest of the layout it is given is at
@@ -428,7 +431,7 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
     chosen = [k for k in _CHOICE_ORDER if k in values]
     split = sum(k in STATE_KEYS for k in chosen)  # chosen[:split]: the state keys of the space
 
-    def known(field: str, keys: set) -> bool:
+    def known(field: str, keys: set[str]) -> bool:
         """Whether a field is fixed once `keys` are chosen: chosen, absent from the space
         (its default), or derived from fields that are known."""
         if field == "dp":
@@ -445,7 +448,7 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
         due.append([r for r in pending if all(known(f, keys) for f in r.keys)])
         pending = [r for r in pending if r not in due[-1]]
 
-    def layout_of(given: dict) -> Layout:
+    def layout_of(given: dict[str, Any]) -> Layout:
         """The layout `resolve` makes of a (partial) combination; unchosen keys at their defaults."""
         fields = DEFAULTS | given
         fields["dp"] = max(1, gpus // (fields["tp"] * fields["pp"] * fields["cp"]))
@@ -456,7 +459,7 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
             fields["vpp"] = schedule.default_vpp if schedule is not None else 1
         return _unchecked_layout(fields)
 
-    def canonical_of(given: dict) -> Layout:
+    def canonical_of(given: dict[str, Any]) -> Layout:
         layout = layout_of(given)
         folded = layout.folded()
         return _unchecked_layout(layout.__dict__ | folded) if folded else layout
@@ -464,7 +467,7 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
     def broken(layout: Layout, rules: list[Rule]) -> bool:
         return any(r.problem(layout, model, gpus, gpus_per_node) for r in rules)
 
-    def reads(r: Rule) -> set:
+    def reads(r: Rule) -> set[str]:
         """The chosen keys a rule's verdict depends on, through the derived fields too."""
         fields = set(r.keys)
         if "dp" in fields or ("dp_shard" in fields and "dp_shard" not in values):
@@ -480,7 +483,8 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
     collapsible = [key in ("schedule", "vpp", "zero", "dp_shard", "sp", "recompute_layers") and key not in read_later[d]
                    for d, key in enumerate(chosen)]
 
-    def choose(depth: int, stop: int, given: dict, place: int, reached: Callable[[dict, int], None]) -> None:
+    def choose(depth: int, stop: int, given: dict[str, Any], place: int,
+               reached: Callable[[dict[str, Any], int], None]) -> None:
         """Every valid choice of chosen[depth:stop] below `given`; `reached` gets each."""
         if depth == stop:
             reached(given, place)
@@ -500,9 +504,10 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
             choose(depth + 1, stop, given, place + index * weight[key], reached)
         given.pop(key, None)  # absent where the key has no values
 
-    prefixes: dict[tuple, tuple[int, dict]] = {}  # canonical state values -> (least place, a combination)
+    # canonical state values -> (least place, a combination)
+    prefixes: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
 
-    def add_prefix(given: dict, place: int) -> None:
+    def add_prefix(given: dict[str, Any], place: int) -> None:
         canonical = canonical_of(given)
         state = tuple(getattr(canonical, k) for k in STATE_KEYS)
         if place < prefixes.get(state, (size,))[0]:
@@ -510,7 +515,7 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
 
     place_of: dict[Layout, int] = {}
 
-    def add_layout(given: dict, place: int) -> None:
+    def add_layout(given: dict[str, Any], place: int) -> None:
         layout = canonical_of(given)
         if place < place_of.get(layout, size):
             place_of[layout] = place
@@ -520,9 +525,9 @@ def enumerate_layouts_skipping(model: ModelConfig, gpus: int, space: dict, gpus_
     # count per signature.
     signature_keys = sorted(set().union({"tp", "pp", "cp"}, *(reads(r) for rules in due[split + 1:] for r in rules))
                             & set(chosen[:split]))
-    counts: dict[tuple, int] = {}
+    counts: dict[tuple[Any, ...], int] = {}
 
-    def count_below(given: dict, canonical: Layout) -> int:
+    def count_below(given: dict[str, Any], canonical: Layout) -> int:
         signature = tuple(getattr(canonical, k) for k in signature_keys)
         if signature not in counts:
             suffixes = set()

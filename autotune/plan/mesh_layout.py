@@ -33,7 +33,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # layout.py imports this module
+    from autotune.plan.layout import Layout
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Flattened views of neighbouring dims, by name.
@@ -76,7 +79,7 @@ class ParallelDims:
     ep: int = 1
 
     @classmethod
-    def from_layout(cls, layout) -> "ParallelDims":
+    def from_layout(cls, layout: "Layout") -> "ParallelDims":
         return cls(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
                    cp=layout.cp, tp=layout.tp, ep=layout.ep)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -28,14 +29,14 @@ from autotune.config import ModelConfig
 from autotune.errors import UsageError
 from autotune.plan.layout import INT_KEYS, STR_KEYS, Layout, enumerate_layouts
 
-OPTION_TYPES = {"max_comm_fraction": float, "steps": int, "warmup": int}
+OPTION_TYPES: dict[str, type] = {"max_comm_fraction": float, "steps": int, "warmup": int}
 
 
 @dataclass(frozen=True)
 class Space:
     name: str
-    values: dict  # layout key -> list of values
-    options: dict = field(default_factory=dict)
+    values: dict[str, Any]  # layout key -> list of values
+    options: dict[str, Any] = field(default_factory=dict[str, Any])
     description: str = ""
 
 
@@ -64,7 +65,7 @@ def load_space(spec: str) -> Space:
     return space_from_dict(data, name)
 
 
-def space_from_dict(data, name: str) -> Space:
+def space_from_dict(data: object, name: str) -> Space:
     if not isinstance(data, dict):
         raise UsageError(f"space {name}: must hold a mapping with a 'layout' section")
     unknown = set(data) - {"description", "layout", "options"}
@@ -94,11 +95,11 @@ def space_from_dict(data, name: str) -> Space:
     if not isinstance(options, dict):
         raise UsageError("space.options: must be a mapping")
     for key, value in options.items():
-        kind = OPTION_TYPES.get(key)
-        if kind is None:
+        option_type = OPTION_TYPES.get(key)
+        if option_type is None:
             raise UsageError(f"space.options.{key}: unknown option (known: {', '.join(OPTION_TYPES)})")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or (kind is int and not isinstance(value, int)):
+        if not number or (option_type is int and not isinstance(value, int)):
             raise UsageError(f"space.options.{key}: must be a number, got {value!r}")
     return Space(name=name, values=values, options=options, description=str(data.get("description", "")))
 
