@@ -180,3 +180,12 @@ def test_no_folder_at_the_repository_root_shadows_an_installed_package():
     import autotune_kernels.attention
 
     assert Path(autotune_kernels.attention.__file__).resolve().parent == ROOT / "kernels"
+
+
+def test_closed_sets_name_exactly_what_their_tables_hold():
+    """The Literal types the type checker reads are the tables the code looks names up in."""
+    from typing import get_args
+
+    from autotune.plan.schedules import ScheduleName
+
+    assert set(get_args(ScheduleName)) == set(SCHEDULES)

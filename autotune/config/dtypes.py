@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from autotune.errors import UsageError
 
 # The precisions a model trains in. fp16 trains with a loss scaler; fp8 and mxfp8 run the
 # linear layers' matmuls in 8-bit floats (per-tensor or per-row scales; per-32-element
 # block scales) on bf16 compute, with fp32 masters and optimizer state as bf16 has.
-DTYPES = ("bf16", "fp16", "fp32", "fp8", "mxfp8")
+Dtype = Literal["bf16", "fp16", "fp32", "fp8", "mxfp8"]
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 # The spellings people use for them: Hugging Face's torch_dtype, torch's names, fp8 formats.
 DTYPE_SPELLINGS = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
@@ -20,7 +23,8 @@ DTYPE_SPELLINGS = {
 # What the gradients are accumulated, reduced and kept in under mixed precision: fp32 (the
 # default, Megatron-LM's `grad_reduce_in_fp32`, torchtitan's `mixed_precision_reduce`), or
 # the compute dtype (bf16 or fp16), as NVIDIA's Megatron-Bridge performance recipes train.
-GRAD_DTYPES = ("fp32", "bf16", "fp16")
+GradDtype = Literal["fp32", "bf16", "fp16"]
+GRAD_DTYPES: tuple[GradDtype, ...] = get_args(GradDtype)
 # Precisions people train in that this tool does not: named so that the refusal says so.
 UNTRAINED_DTYPES = ("nvfp4", "mxfp4", "fp4", "mxfp6", "fp6", "int8", "int4", "fp64", "float64", "tf32")
 

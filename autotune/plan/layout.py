@@ -16,16 +16,17 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from autotune.config import ModelConfig
 from autotune.errors import UsageError
-from autotune.plan.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from autotune.plan.schedules import DEFAULT_SCHEDULE, SCHEDULES, ScheduleName
 
 # none; selective: the attention core (Megatron's selective); op: per-op, torchtitan's
 # selective op policy (keep every other matmul output, recompute the rest); full: whole layers.
 RECOMPUTE = ("none", "selective", "op", "full")
-ZERO = (0, 1, 2, 3)
+Zero = Literal[0, 1, 2, 3]
+ZERO: tuple[Zero, ...] = get_args(Zero)
 INT_KEYS = ("tp", "pp", "cp", "ep", "dp", "dp_shard", "zero", "mbs", "vpp", "sp", "recompute_layers")
 LEAST = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "dp_shard": 1, "mbs": 1, "vpp": 1, "recompute_layers": 0}
 STR_KEYS = ("schedule", "recompute")
@@ -39,9 +40,9 @@ class Layout:
     ep: int = 1
     dp: int = 1
     dp_shard: int = 1  # ranks that shard parameters (zero >= 1); dp // dp_shard replicate (HSDP)
-    zero: int = 0
+    zero: Zero = 0
     mbs: int = 1
-    schedule: str = DEFAULT_SCHEDULE
+    schedule: ScheduleName = DEFAULT_SCHEDULE
     vpp: int = 1
     recompute: str = "none"
     sp: int = 0

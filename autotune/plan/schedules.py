@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
+
+# The layout's `schedule` values: the keys of SCHEDULES (tests/test_structure.py keeps them equal).
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
 
 
 def _round(pp: int, m: int) -> int:
@@ -75,7 +79,7 @@ class Schedule:
       backward's send until the next backward has run.
     """
 
-    name: str
+    name: ScheduleName
     torch_class: str  # in torch.distributed.pipelining.schedules
     torchtitan: str  # torchtitan's pipeline schedule name
     megatron: str  # the schedule Megatron-LM runs for it (it has 1F1B and interleaved 1F1B)
@@ -171,5 +175,4 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
                  [(pp, rank + 1)] if rank else []),
              gradients_held=lambda pp, rank: 2 if rank == 0 else pp - rank + 1),
 )}
-DEFAULT_SCHEDULE = "1f1b"
-NAMES = tuple(SCHEDULES)
+DEFAULT_SCHEDULE: ScheduleName = "1f1b"
