@@ -29,6 +29,8 @@ def model_refusal(model: ModelConfig) -> str | None:
         return f"{model.name}: norm: {model.norm} is priced by the estimator but not trained by the runtime yet"
     if model.learned_positions:
         return f"{model.name}: learned_positions is priced by the estimator but not trained by the runtime yet"
+    if model.hybrid_pattern is not None:
+        return f"{model.name}: hybrid_pattern is counted by the model description but not trained by the runtime yet"
     if model.tie_embeddings:
         return f"{model.name}: tie_embeddings is priced by the estimator but not trained by the runtime yet"
     return None
