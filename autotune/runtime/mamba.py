@@ -1,0 +1,162 @@
+"""The Mamba-2 mixer in plain torch: projections, causal depthwise convolution, the chunked
+state-space-duality (SSD) scan and the gated RMSNorm (config/hybrid.py gives the sizes).
+
+Per head h (of H, head_dim P) in group g (B and C are shared by the H/G heads of a group),
+with a_t = dt_t * A_h (A_h = -exp(A_log_h) < 0) the log decay of step t:
+
+    state_t = exp(a_t) * state_{t-1} + dt_t * x_t B_t^T        (P x N)
+    y_t     = state_t C_t + D_h * x_t
+
+`ssd_scan` computes exactly that without a loop over tokens: the sequence is cut into
+chunks of Q tokens; inside a chunk the recurrence unrolls into a masked, attention-like
+product (C_t . B_s weighted by the decay from s to t), and only the states at chunk
+boundaries are carried from chunk to chunk. `naive_scan` is the token-by-token recurrence,
+kept as the reference the tests hold the chunked form to.
+
+The projections are five linears (z, x, B, C, dt) rather than one fused in_proj, and the
+convolution three weights (x, B, C), so that tensor parallel can cut each of them by heads
+and groups with plain column-parallel plans, as Megatron splits its fused in_proj: rank r
+owns heads [r*H/tp, ...) and groups [r*G/tp, ...), which are exactly the groups its heads
+read (tensor parallel: runtime/parallel/tp_hybrid.py). Every per-head or per-channel weight
+(the convolution, A_log, D, dt_bias, the gated norm) is then this rank's shard, used as a
+local tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autotune.config import ModelConfig
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel weight, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal convolution of x [batch, seq, channels] with weight [channels, K]:
+    out_t = bias + sum_k weight[:, k] * x_{t - K + 1 + k} (zeros before the sequence)."""
+    taps = weight.shape[-1]
+    out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=taps - 1, groups=weight.shape[0])
+    return out[..., : x.shape[1]].transpose(1, 2)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """RMSNorm of y * silu(z) within each of `groups` equal slices of the last dim, then the
+    weight (Mamba-2's norm after the gate), in fp32."""
+    gated = y.float() * F.silu(z.float())
+    sliced = gated.unflatten(-1, (groups, -1))
+    normed = sliced * torch.rsqrt(sliced.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed.flatten(-2) * weight.float()).type_as(y)
+
+
+def _heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, seq, groups, N] -> [batch, seq, heads, N]: each group's row for each of its heads."""
+    return t.repeat_interleave(heads // t.shape[2], dim=2)
+
+
+def naive_scan(x, dt, A, B, C, D):
+    """The recurrence token by token (the reference). x [b, l, H, P], dt [b, l, H], A [H],
+    B, C [b, l, G, N], D [H] -> y [b, l, H, P], in fp32 (or wider, for the tests)."""
+    heads, wide = x.shape[2], _scan_dtype(x)
+    x, dt, A, D = (t.to(wide) for t in (x, dt, A, D))
+    B, C = _heads_of_groups(B, heads).to(wide), _heads_of_groups(C, heads).to(wide)
+    state = x.new_zeros(x.shape[0], heads, x.shape[3], B.shape[-1])
+    out = []
+    for t in range(x.shape[1]):
+        decay = torch.exp(dt[:, t] * A)[:, :, None, None]
+        state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        out.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]) + D[:, None] * x[:, t])
+    return torch.stack(out, dim=1)
+
+
+def _scan_dtype(x: torch.Tensor) -> torch.dtype:
+    """The scan runs in fp32 whatever the activations' precision (bf16 decays drift over a sequence)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _lower_triangle(size: int, device) -> torch.Tensor:
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril()
+
+
+def ssd_scan(x, dt, A, B, C, D, chunk: int):
+    """The same recurrence, chunk by chunk (module docstring); shapes as naive_scan's."""
+    batch, seq, heads, _ = x.shape
+    pad, wide = -seq % chunk, _scan_dtype(x)
+    x, dt, A, D = (t.to(wide) for t in (x, dt, A, D))
+    B, C = _heads_of_groups(B, heads).to(wide), _heads_of_groups(C, heads).to(wide)
+    xdt = x * dt[..., None]
+    if pad:
+        xdt, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, B, C))
+        dt = F.pad(dt, (0, 0, 0, pad))
+    chunks = (seq + pad) // chunk
+    # [b, c, Q, h, ...]: chunk index c, position q (or s) inside it.
+    xdt, B, C = (t.unflatten(1, (chunks, chunk)) for t in (xdt, B, C))
+    log_decay = (dt * A).unflatten(1, (chunks, chunk))  # [b, c, Q, h]
+    cum = log_decay.cumsum(dim=2)  # decay from the chunk's start through position q
+    # Inside a chunk: y_q = sum_{s <= q} exp(cum_q - cum_s) (C_q . B_s) xdt_s.
+    within = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [b, c, q, s, h]
+    causal = _lower_triangle(chunk, x.device)[None, None, :, :, None]
+    weights = torch.exp(within.masked_fill(~causal, float("-inf")))
+    scores = torch.einsum("bcqhn,bcshn->bcqsh", C, B) * weights
+    y = torch.einsum("bcqsh,bcshp->bcqhp", scores, xdt)
+    # Each chunk's own contribution to the state at its end.
+    to_end = torch.exp(cum[:, :, -1:, :] - cum)  # [b, c, s, h]
+    chunk_states = torch.einsum("bcshn,bcsh,bcshp->bchpn", B, to_end, xdt)
+    # The state entering chunk c: the earlier chunks' states, decayed across the chunks between.
+    totals = cum[:, :, -1, :].cumsum(dim=1)  # [b, c, h]: decay from the start through chunk c
+    entering = F.pad(totals[:, :-1], (0, 0, 1, 0))  # through chunk c-1
+    across = entering[:, :, None, :] - totals[:, None, :, :]  # [b, c, z, h]
+    earlier = _lower_triangle(chunks, x.device).tril(-1)[None, :, :, None]
+    carried = torch.einsum("bczh,bzhpn->bchpn", torch.exp(across.masked_fill(~earlier, float("-inf"))),
+                           chunk_states)
+    y = y + torch.einsum("bcqhn,bchpn->bcqhp", C, carried) * torch.exp(cum)[..., None]
+    y = y.flatten(1, 2)[:, :seq]
+    return y + D[:, None] * x
+
+
+class Mamba2Mixer(nn.Module):
+    """x [batch, seq, hidden] -> [batch, seq, hidden] (module docstring). Under tensor parallel
+    each rank holds H/tp heads and G/tp groups; the shapes below are read from the weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m, h = cfg.mamba, cfg.hidden_size
+        self.head_dim, self.state_size, self.chunk_size = m.head_dim, m.state_size, m.chunk_size
+        self.heads_per_group = m.num_heads // m.n_groups
+        self.dt_min, self.eps = m.dt_min, cfg.norm_eps
+        groups = m.n_groups * m.state_size
+        self.in_z = nn.Linear(h, m.inner, bias=False)
+        self.in_x = nn.Linear(h, m.inner, bias=False)
+        self.in_B = nn.Linear(h, groups, bias=False)
+        self.in_C = nn.Linear(h, groups, bias=False)
+        self.in_dt = nn.Linear(h, m.num_heads, bias=False)
+        self.conv_x = nn.Parameter(torch.empty(m.inner, m.conv_kernel))
+        self.conv_x_bias = nn.Parameter(torch.empty(m.inner))
+        self.conv_B = nn.Parameter(torch.empty(groups, m.conv_kernel))
+        self.conv_B_bias = nn.Parameter(torch.empty(groups))
+        self.conv_C = nn.Parameter(torch.empty(groups, m.conv_kernel))
+        self.conv_C_bias = nn.Parameter(torch.empty(groups))
+        self.A_log = nn.Parameter(torch.empty(m.num_heads))
+        self.D = nn.Parameter(torch.empty(m.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
+        self.norm_weight = nn.Parameter(torch.empty(m.inner))
+        self.out_proj = nn.Linear(m.inner, h, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        z, x, B, C, dt = (local(proj(hidden)) for proj in (self.in_z, self.in_x, self.in_B, self.in_C, self.in_dt))
+        batch, seq, _ = x.shape
+        x = F.silu(causal_conv1d(x, local(self.conv_x), local(self.conv_x_bias)))
+        B = F.silu(causal_conv1d(B, local(self.conv_B), local(self.conv_B_bias)))
+        C = F.silu(causal_conv1d(C, local(self.conv_C), local(self.conv_C_bias)))
+        dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(min=self.dt_min)
+        A = -torch.exp(local(self.A_log).float())
+        y = ssd_scan(x.unflatten(-1, (-1, self.head_dim)), dt, A, B.unflatten(-1, (-1, self.state_size)),
+                     C.unflatten(-1, (-1, self.state_size)), local(self.D), self.chunk_size)
+        groups = y.shape[2] // self.heads_per_group
+        y = gated_rms_norm(y.flatten(2).to(z.dtype), z, local(self.norm_weight), groups, self.eps)
+        return self.out_proj(y)
