@@ -81,7 +81,7 @@ def test_the_mixer_is_transformers_nemotron_h_mixer():
             getattr(ours, f"{name}_bias").copy_(bias)
         for name in ("A_log", "D", "dt_bias"):
             getattr(ours, name).copy_(getattr(theirs, name))
-        ours.norm_weight.copy_(theirs.norm.weight)
+        ours.norm.weight.copy_(theirs.norm.weight)
         ours.out_proj.weight.copy_(theirs.out_proj.weight)
     hidden = torch.randn(2, 11, 24, dtype=torch.float64, requires_grad=True)
     theirs.eval()  # the torch path (training mode would try a hub kernel first)

@@ -18,7 +18,7 @@ convolution three weights (x, B, C), so that tensor parallel can cut each of the
 and groups with plain column-parallel plans, as Megatron splits its fused in_proj: rank r
 owns heads [r*H/tp, ...) and groups [r*G/tp, ...), which are exactly the groups its heads
 read (tensor parallel: runtime/parallel/tp_hybrid.py). Every per-head or per-channel weight
-(the convolution, A_log, D, dt_bias, the gated norm) is then this rank's shard, used as a
+(the convolution, A_log, D, dt_bias, the gated norm's) is then this rank's shard, used as a
 local tensor.
 """
 
@@ -52,6 +52,18 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     sliced = gated.unflatten(-1, (groups, -1))
     normed = sliced * torch.rsqrt(sliced.pow(2).mean(-1, keepdim=True) + eps)
     return (normed.flatten(-2) * weight.float()).type_as(y)
+
+
+class GatedRMSNorm(nn.Module):
+    """gated_rms_norm's weight as a module (`norm.weight`, initialised to ones like every norm)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(width))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, groups: int) -> torch.Tensor:
+        return gated_rms_norm(y, z, local(self.weight), groups, self.eps)
 
 
 def _heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -128,7 +140,7 @@ class Mamba2Mixer(nn.Module):
         m, h = cfg.mamba, cfg.hidden_size
         self.head_dim, self.state_size, self.chunk_size = m.head_dim, m.state_size, m.chunk_size
         self.heads_per_group = m.num_heads // m.n_groups
-        self.dt_min, self.eps = m.dt_min, cfg.norm_eps
+        self.dt_min = m.dt_min
         groups = m.n_groups * m.state_size
         self.in_z = nn.Linear(h, m.inner, bias=False)
         self.in_x = nn.Linear(h, m.inner, bias=False)
@@ -144,7 +156,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(m.num_heads))
         self.D = nn.Parameter(torch.empty(m.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
-        self.norm_weight = nn.Parameter(torch.empty(m.inner))
+        self.norm = GatedRMSNorm(m.inner, cfg.norm_eps)
         self.out_proj = nn.Linear(m.inner, h, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -158,5 +170,5 @@ class Mamba2Mixer(nn.Module):
         y = ssd_scan(x.unflatten(-1, (-1, self.head_dim)), dt, A, B.unflatten(-1, (-1, self.state_size)),
                      C.unflatten(-1, (-1, self.state_size)), local(self.D), self.chunk_size)
         groups = y.shape[2] // self.heads_per_group
-        y = gated_rms_norm(y.flatten(2).to(z.dtype), z, local(self.norm_weight), groups, self.eps)
+        y = self.norm(y.flatten(2).to(z.dtype), z, groups)
         return self.out_proj(y)
