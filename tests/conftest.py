@@ -24,7 +24,7 @@ DISTRIBUTED_MODULES = {
     "test_cp_numerics", "test_dp_numerics", "test_ep_numerics", "test_launch", "test_memory_dp_tp",
     "test_memory_pp", "test_multinode", "test_pp_numerics", "test_reliability", "test_report_browser",
     "test_ring_attention", "test_runtime_dp", "test_study", "test_tp_numerics", "test_worker",
-    "test_export_torchtitan", "test_pool", "test_spawn_group", "test_gloo_release",
+    "test_export_torchtitan", "test_pool", "test_spawn_group", "test_gloo_release", "test_hybrid_memory",
 }
 # Tests of the other modules that start processes (test_profiling's use a spawned fixture).
 DISTRIBUTED_TESTS = {

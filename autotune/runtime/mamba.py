@@ -96,39 +96,66 @@ def _lower_triangle(size: int, device) -> torch.Tensor:
 
 
 def ssd_scan(x, dt, A, B, C, D, chunk: int):
-    """The same recurrence, chunk by chunk (module docstring); shapes as naive_scan's."""
-    batch, seq, heads, _ = x.shape
+    """The same recurrence, chunk by chunk (module docstring); shapes as naive_scan's.
+
+    Laid out [batch, head, chunk, position, ...] with every matmul on contiguous operands, so
+    that what its autograd graph holds is known (estimate/mamba.py prices it): per token the
+    heads' x*dt, B and C (three of them, P and N wide), the chunk's scores, decays and their
+    product (chunk_size wide each), B times its decay, and per chunk each head's state."""
+    batch, seq, heads, head_dim = x.shape
     pad, wide = -seq % chunk, _scan_dtype(x)
     x, dt, A, D = (t.to(wide) for t in (x, dt, A, D))
-    B, C = _heads_of_groups(B, heads).to(wide), _heads_of_groups(C, heads).to(wide)
-    xdt = x * dt[..., None]
-    if pad:
-        xdt, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, B, C))
-        dt = F.pad(dt, (0, 0, 0, pad))
     chunks = (seq + pad) // chunk
-    # [b, c, Q, h, ...]: chunk index c, position q (or s) inside it.
-    xdt, B, C = (t.unflatten(1, (chunks, chunk)) for t in (xdt, B, C))
-    log_decay = (dt * A).unflatten(1, (chunks, chunk))  # [b, c, Q, h]
-    cum = log_decay.cumsum(dim=2)  # decay from the chunk's start through position q
+
+    def by_head(t: torch.Tensor) -> torch.Tensor:  # [b, l, h, w] -> [b, h, c, Q, w]
+        t = F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t
+        return t.permute(0, 2, 1, 3).reshape(batch, heads, chunks, chunk, t.shape[-1])
+
+    xdt = by_head(x * dt[..., None])
+    B, C = by_head(_heads_of_groups(B, heads).to(wide)), by_head(_heads_of_groups(C, heads).to(wide))
+    log_decay = F.pad(dt * A, (0, 0, 0, pad)) if pad else dt * A
+    cum = log_decay.transpose(1, 2).reshape(batch, heads, chunks, chunk).cumsum(dim=-1)
     # Inside a chunk: y_q = sum_{s <= q} exp(cum_q - cum_s) (C_q . B_s) xdt_s.
-    within = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [b, c, q, s, h]
-    causal = _lower_triangle(chunk, x.device)[None, None, :, :, None]
+    within = cum[..., :, None] - cum[..., None, :]
+    causal = _lower_triangle(chunk, x.device)
     weights = torch.exp(within.masked_fill(~causal, float("-inf")))
-    scores = torch.einsum("bcqhn,bcshn->bcqsh", C, B) * weights
-    y = torch.einsum("bcqsh,bcshp->bcqhp", scores, xdt)
-    # Each chunk's own contribution to the state at its end.
-    to_end = torch.exp(cum[:, :, -1:, :] - cum)  # [b, c, s, h]
-    chunk_states = torch.einsum("bcshn,bcsh,bcshp->bchpn", B, to_end, xdt)
+    y = ((C @ B.transpose(-1, -2)) * weights) @ xdt
+    # Each chunk's own contribution to the state at its end: [b, h, c, N, P].
+    to_end = torch.exp(cum[..., -1:] - cum)
+    chunk_states = (B * to_end[..., None]).transpose(-1, -2) @ xdt
     # The state entering chunk c: the earlier chunks' states, decayed across the chunks between.
-    totals = cum[:, :, -1, :].cumsum(dim=1)  # [b, c, h]: decay from the start through chunk c
-    entering = F.pad(totals[:, :-1], (0, 0, 1, 0))  # through chunk c-1
-    across = entering[:, :, None, :] - totals[:, None, :, :]  # [b, c, z, h]
-    earlier = _lower_triangle(chunks, x.device).tril(-1)[None, :, :, None]
-    carried = torch.einsum("bczh,bzhpn->bchpn", torch.exp(across.masked_fill(~earlier, float("-inf"))),
-                           chunk_states)
-    y = y + torch.einsum("bcqhn,bchpn->bcqhp", C, carried) * torch.exp(cum)[..., None]
-    y = y.flatten(1, 2)[:, :seq]
+    totals = cum[..., -1].cumsum(dim=-1)  # [b, h, c]: decay from the start through chunk c
+    entering = F.pad(totals[..., :-1], (1, 0))  # through chunk c-1
+    across = entering[..., :, None] - totals[..., None, :]  # [b, h, c, z]
+    earlier = _lower_triangle(chunks, x.device).tril(-1)
+    carried = (torch.exp(across.masked_fill(~earlier, float("-inf"))) @ chunk_states.flatten(-2)) \
+        .view_as(chunk_states)
+    y = y + (C @ carried) * torch.exp(cum)[..., None]
+    y = y.reshape(batch, heads, chunks * chunk, head_dim)[:, :, :seq].transpose(1, 2)
     return y + D[:, None] * x
+
+
+class SSDScan(torch.autograd.Function):
+    """ssd_scan keeping only its inputs for backward, which runs the chunked forward again
+    and differentiates it, as Mamba's fused kernels keep x, dt, B and C and no intermediate:
+    the chunk-local scores (chunk_size per token and head) would otherwise be the largest
+    thing a Mamba block keeps. Gradients are those of ssd_scan, op for op."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, chunk: int):
+        ctx.save_for_backward(x, dt, A, B, C, D)
+        ctx.chunk = chunk
+        with torch.no_grad():
+            return ssd_scan(x, dt, A, B, C, D, chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ssd_scan(*inputs, ctx.chunk)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None)
 
 
 class Mamba2Mixer(nn.Module):
@@ -167,8 +194,8 @@ class Mamba2Mixer(nn.Module):
         C = F.silu(causal_conv1d(C, local(self.conv_C), local(self.conv_C_bias)))
         dt = F.softplus(dt.float() + local(self.dt_bias).float()).clamp(min=self.dt_min)
         A = -torch.exp(local(self.A_log).float())
-        y = ssd_scan(x.unflatten(-1, (-1, self.head_dim)), dt, A, B.unflatten(-1, (-1, self.state_size)),
-                     C.unflatten(-1, (-1, self.state_size)), local(self.D), self.chunk_size)
+        y = SSDScan.apply(x.unflatten(-1, (-1, self.head_dim)), dt, A, B.unflatten(-1, (-1, self.state_size)),
+                          C.unflatten(-1, (-1, self.state_size)), local(self.D), self.chunk_size)
         groups = y.shape[2] // self.heads_per_group
         y = self.norm(y.flatten(2).to(z.dtype), z, groups)
         return self.out_proj(y)
