@@ -1,7 +1,7 @@
 """What a hybrid model's blocks (runtime/hybrid.py) cost the estimator: the tensors each kind
 of block saves for backward, the parameters a pipeline rank holds, its per-block work.
-memory.py calls these where a model has a `hybrid_pattern` (this module knows nothing of
-memory.py's accounting: it gives the items and the sizes, memory.py adds them up).
+memory.py and step_time.py call these where a model has a `hybrid_pattern` (this module knows
+nothing of their accounting: it gives the items and the sizes, they add them up).
 
 A Mamba-2 block (runtime/mamba.py), per token, with inner width I = heads * head_dim,
 G groups of state N (B and C: G*N each), H heads, K taps, in the compute dtype c unless
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import Counter
 
 from autotune.config import ModelConfig, model_size
-from autotune.config.hybrid import block_kind
+from autotune.config.hybrid import block_kind, mamba_scan_flops_per_token
 from autotune.plan.layout import Layout
 from autotune.plan.stage_split import rank_stage_ids, stage_count, stage_layers
 
@@ -141,3 +141,21 @@ def block_backward_bytes(model: ModelConfig, kind: str, layout: Layout, compute:
     moe = model.moe
     rows, width = tokens * moe.top_k, moe.expert_ffn_hidden_size
     return incoming + rows * width * c + moe.num_experts / layout.ep * h * width * c
+
+
+# -- the work of one block ----------------------------------------------------------------------
+
+def block_matmul_params(model: ModelConfig, kind: str) -> float:
+    """Matmul weights one token passes through in a block of `kind` (top-k experts and the shared)."""
+    return model_size.hybrid_block_params(model, model.hybrid_pattern.index(KINDS[kind]), True, matmul_only=True)
+
+
+def block_core_flops(model: ModelConfig, kind: str) -> float:
+    """Forward + backward FLOPs per token of a block's non-matmul core: the attention scores and
+    values of a `*` block, the SSD scan of an `M` block (model_size's accounting), none else."""
+    if kind == "attention":
+        attention_blocks = model.hybrid_pattern.count("*")
+        return model_size.attention_flops_per_token(model) / attention_blocks
+    if kind == "mamba":
+        return mamba_scan_flops_per_token(model)
+    return 0.0
