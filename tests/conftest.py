@@ -24,11 +24,12 @@ DISTRIBUTED_MODULES = {
     "test_cp_numerics", "test_dp_numerics", "test_ep_numerics", "test_launch", "test_memory_dp_tp",
     "test_memory_pp", "test_multinode", "test_pp_numerics", "test_reliability", "test_report_browser",
     "test_ring_attention", "test_runtime_dp", "test_study", "test_tp_numerics", "test_worker",
-    "test_export_torchtitan", "test_pool", "test_spawn_group", "test_gloo_release",
+    "test_export_torchtitan", "test_pool", "test_spawn_group", "test_gloo_release", "test_hybrid_memory",
 }
 # Tests of the other modules that start processes (test_profiling's use a spawned fixture).
 DISTRIBUTED_TESTS = {
     "test_estimate::test_estimate_modules_do_not_import_torch",
+    "test_hybrid_numerics::test_a_hybrid_model_trains_as_one_process_under_every_dimension",
     "test_estimate::test_output_into_a_closed_pipe_exits_quietly",
     "test_metrics::test_trial_figures_follow_their_formulas",
     "test_metrics::test_cli_trial_over_a_tiny_memory_budget_is_pruned_oom_with_its_figures",

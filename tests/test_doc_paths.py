@@ -37,6 +37,7 @@ README_SECTION = re.compile(r"README,? \"([^\"]+)\"")
 # Names that are not files of this repository, on purpose, each with what it is.
 NOT_OURS = {
     "pretrain_gpt.py": "Megatron-LM's training script",
+    "pretrain_mamba.py": "Megatron-LM's training script for hybrid Mamba models",
     "activation_checkpoint.py": "torchtitan's activation checkpointing module",
     "docs/performance.md": "torchtitan's benchmark page, cited as a source",
     "benchmarks/GPU.md": "the report benchmarks/gpu_check.py writes when run on a GPU",

@@ -58,6 +58,9 @@ def test_parameter_counts_match_transformers(fixture):
     ("gpt-neox-20b.json", 20.55, 20.55), ("phi-1.json", 1.42, 1.42), ("phi-2.json", 2.78, 2.78),
     ("gpt2.json", 0.124, 0.124), ("llama-3.1-8b.transformers5.json", 8.03, 8.03),
     ("mixtral-8x7b.json", 46.70, 12.88), ("gpt-oss-20b.json", 20.91, 4.19),
+    ("nemotron-h-8b.json", 8.10, 8.10), ("nemotron-h-47b.json", 46.79, 46.79), ("nemotron-h-56b.json", 56.32, 56.32),
+    ("nvidia-nemotron-nano-9b-v2.json", 8.89, 8.89), ("nemotron-3-nano-30b-a3b.json", 31.58, 3.58),
+    ("nemotron-3-nano-30b-a3b.transformers5.json", 31.58, 3.58),
 ])
 def test_the_issue_table(fixture, total, active):
     m = load_model(str(FIXTURES / fixture))

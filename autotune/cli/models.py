@@ -37,7 +37,8 @@ def describe(m: ModelConfig) -> dict:
             moe += f" in {m.num_moe_layers} layers"
     return {"name": m.name, "params": m.num_params(), "active_params": m.num_active_params(),
             "layers": m.num_layers, "hidden": m.hidden_size, "attention": attention, "mlp": m.mlp, "moe": moe,
-            "rope_theta": None if m.learned_positions else m.rope_theta, "dtype": m.dtype}
+            "rope_theta": None if m.learned_positions or m.hybrid_pattern else m.rope_theta, "dtype": m.dtype,
+            "hybrid_pattern": m.hybrid_pattern}
 
 
 def human_count(n: int) -> str:

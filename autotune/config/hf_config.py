@@ -31,6 +31,9 @@ What each family needs beyond the Llama keys:
                              (`n_layer`, `n_embd`, `n_head`, `n_inner`, `n_positions`) and
                              its learned position table
     nemotron                 squared-ReLU MLP, LayerNorm
+    nemotron_h               hybrid Mamba-2 / attention / MLP / MoE blocks (config/hybrid.py),
+                             `hybrid_override_pattern` or transformers 5's `layers_block_type`;
+                             qwen3_next, jamba and falcon_h1 are refused by name
 
 transformers 5 writes `rope_theta` inside `rope_parameters` and `dtype` for
 `torch_dtype`; both are read. What is kept is the model's shape: numerical details
@@ -40,6 +43,7 @@ logit soft-capping, query scaling, GPT-OSS's clamped SwiGLU) are not carried ove
 
 from __future__ import annotations
 
+from autotune.config.hybrid import OTHER_HYBRIDS, from_nemotron_h
 from autotune.errors import UsageError
 
 HF_DEFAULT_SEQ_LEN = 4096
@@ -64,6 +68,7 @@ ARCHITECTURES = {
     "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3", "OlmoForCausalLM": "olmo", "Olmo2ForCausalLM": "olmo2", "PhiForCausalLM": "phi",
     "GPTNeoXForCausalLM": "gpt_neox", "GPT2LMHeadModel": "gpt2", "NemotronForCausalLM": "nemotron",
+    "NemotronHForCausalLM": "nemotron_h",
 }
 # hidden_act -> mlp kind, by family (anything else is refused).
 ACTIVATIONS = {
@@ -83,6 +88,11 @@ def from_hf_config(hf: dict, name: str) -> dict:
     overrides both.
     """
     model_type = _model_type(hf, name)
+    if model_type == "nemotron_h":
+        return {**from_nemotron_h(hf, name), "seq_len": min(int(hf.get("max_position_embeddings") or
+                                                             HF_DEFAULT_SEQ_LEN), HF_DEFAULT_SEQ_LEN),
+                "global_batch_size": HF_DEFAULT_GLOBAL_BATCH,
+                "dtype": "fp32" if (hf.get("dtype") or hf.get("torch_dtype")) == "float32" else "bf16"}
     if model_type == "gpt2":
         hf = _gpt2_keys(hf)
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
@@ -133,17 +143,20 @@ def _model_type(hf: dict, name: str) -> str:
         model_type = ARCHITECTURES.get(architectures[0])
         if model_type is None:
             raise UsageError(f"{name}: architecture {architectures[0]} is not supported "
-                             f"(supported model types: {', '.join(FAMILIES)})")
+                             f"(supported model types: {', '.join(FAMILIES)}, nemotron_h)")
     if model_type is None:
         if "num_hidden_layers" in hf or "n_layer" in hf:
             raise UsageError(f"{name}: config.json names no model_type or architectures: cannot tell "
                              "which architecture it is")
         raise UsageError(f"{name}: not a Hugging Face model config (no model_type, architectures or "
                          "num_hidden_layers)")
-    if model_type not in FAMILIES:
+    if model_type in OTHER_HYBRIDS:
+        raise UsageError(f"{name}: architecture {model_type} is not supported ({OTHER_HYBRIDS[model_type]} is not "
+                         "built; nemotron_h is the hybrid supported)")
+    if model_type not in FAMILIES and model_type != "nemotron_h":
         what = f"{model_type} ({architectures[0]})" if architectures else model_type
         raise UsageError(f"{name}: architecture {what} is not supported (supported model types: "
-                         f"{', '.join(FAMILIES)})")
+                         f"{', '.join(FAMILIES)}, nemotron_h)")
     return model_type
 
 

@@ -19,6 +19,7 @@ from autotune.config import model_size
 from autotune.config.dtypes import compute_dtype_name, parse_dtype, parse_grad_dtype
 from autotune.config.files import build, positive, read_mapping, resolve_file
 from autotune.config.hf_config import from_hf_config
+from autotune.config.hybrid import MambaConfig, validate_hybrid
 from autotune.errors import UsageError
 
 R = TypeVar("R")
@@ -117,6 +118,8 @@ class ModelConfig:
     `bias`, `norm` and `learned_positions` describe the GPT-2 / NeoX / Phi / Qwen2 /
     GPT-OSS families exactly enough to count their parameters; the runtime trains only
     the defaults of those three (config/trainable.py says what it refuses).
+    With `hybrid_pattern` it is a stack of single-mixer blocks, Mamba-2 among them
+    (config/hybrid.py): the attention fields then describe its `*` blocks.
     """
 
     name: str
@@ -144,6 +147,9 @@ class ModelConfig:
     norm: str = "rmsnorm"  # rmsnorm (a weight) or layernorm (a weight and a bias)
     learned_positions: int = 0  # rows of a learned absolute position table (GPT-2); 0: none
     moe: MoEConfig | None = None
+    # Hybrid Mamba-2 / Transformer (config/hybrid.py): one block per character, M * - E.
+    hybrid_pattern: str | None = None
+    mamba: MambaConfig | None = None
 
     def __post_init__(self):
         # Derived defaults: written back so every reader sees the same numbers.
@@ -177,6 +183,7 @@ class ModelConfig:
             raise UsageError(f"seq_len: must be <= learned_positions ({self.learned_positions}), got {self.seq_len}")
         if self.moe is not None:
             self.moe.validate(self.num_layers)
+        validate_hybrid(self)
         return self
 
     def _validate_attention(self) -> None:
@@ -197,7 +204,7 @@ class ModelConfig:
                 raise UsageError(f"bias: must be none with attention: mla, got {self.bias!r}")
         elif self.mla is not None:
             raise UsageError(f"mla: only with attention: mla, got attention: {self.attention}")
-        elif self.head_dim % 2:
+        elif self.head_dim % 2 and self.hybrid_pattern is None:
             raise UsageError(f"head_dim: must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.sliding_window is not None:
             positive("sliding_window", self.sliding_window)
@@ -214,6 +221,8 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe is None:
             return False
+        if self.hybrid_pattern is not None:
+            return self.hybrid_pattern[layer] == "E"
         return self.moe.layers == "all" or layer in self.moe.layers
 
     @property
@@ -307,7 +316,7 @@ def load_model(spec: str) -> ModelConfig:
 
 def model_from_dict(data: dict) -> ModelConfig:
     data = dict(data)
-    for key, cls in (("moe", MoEConfig), ("mla", MLAConfig)):
+    for key, cls in (("moe", MoEConfig), ("mla", MLAConfig), ("mamba", MambaConfig)):
         block = data.pop(key, None)
         if block is not None:
             if not isinstance(block, dict):

@@ -17,6 +17,8 @@ Per layer, with h hidden, H heads, KV kv heads, d head_dim:
                     of the model's kind and width expert_ffn_hidden_size
     norms           two per layer and a final one, h each (layernorm: a bias as well, 2 h)
 
+    hybrid          one mixer per block (config/hybrid.py: Mamba-2's sizes) and one norm
+
 and once: the embedding V*h, the output head V*h unless tied, a learned position table.
 Active parameters count top_k of the E routed experts instead of E.
 
@@ -28,6 +30,8 @@ whole projection instead of per head.
 """
 
 from __future__ import annotations
+
+from autotune.config import hybrid
 
 # Each function takes a ModelConfig `cfg` (not imported: config.py imports this module).
 GATED_MLPS = ("swiglu", "geglu")
@@ -97,12 +101,25 @@ def layer_mlp_params(cfg, layer: int, active_only: bool = False, matmul_only: bo
     return moe_router_params(cfg, matmul_only) + (routed + moe.num_shared_experts) * expert
 
 
+def hybrid_block_params(cfg, layer: int, active_only: bool = False, matmul_only: bool = False) -> int:
+    """A hybrid block's mixer (config/hybrid.py), without its norm: Mamba-2, attention, MLP or MoE."""
+    kind = hybrid.block_kind(cfg, layer)
+    if kind == "mamba":
+        return hybrid.mamba_params(cfg, matmul_only)
+    if kind == "attention":
+        return attention_params(cfg, matmul_only)
+    return layer_mlp_params(cfg, layer, active_only, matmul_only)
+
+
 def num_params(cfg, active_only: bool = False) -> int:
     """Every parameter: embeddings (and a learned position table), blocks (two norms
     each), final norm, output head (none when tied to the embedding)."""
     h = cfg.hidden_size
-    blocks = sum(attention_params(cfg) + layer_mlp_params(cfg, i, active_only) + 2 * norm_params(cfg, h)
-                 for i in range(cfg.num_layers))
+    if cfg.hybrid_pattern is not None:  # one norm per single-mixer block
+        blocks = sum(hybrid_block_params(cfg, i, active_only) + norm_params(cfg, h) for i in range(cfg.num_layers))
+    else:
+        blocks = sum(attention_params(cfg) + layer_mlp_params(cfg, i, active_only) + 2 * norm_params(cfg, h)
+                     for i in range(cfg.num_layers))
     embedding = cfg.vocab_size * h
     head = 0 if cfg.tie_embeddings else embedding
     return embedding + cfg.learned_positions * h + blocks + norm_params(cfg, h) + head
@@ -113,6 +130,9 @@ def active_matmul_params(cfg) -> int:
 
     The embedding is a lookup, not a matmul, and norms and biases are elementwise: none
     counts. A tied head is still a matmul over the vocabulary."""
+    if cfg.hybrid_pattern is not None:
+        return sum(hybrid_block_params(cfg, i, True, matmul_only=True) for i in range(cfg.num_layers)) \
+            + cfg.vocab_size * cfg.hidden_size
     blocks = sum(attention_params(cfg, matmul_only=True) + layer_mlp_params(cfg, i, True, matmul_only=True)
                  for i in range(cfg.num_layers))
     return blocks + cfg.vocab_size * cfg.hidden_size
@@ -127,7 +147,7 @@ def attention_head_dims(cfg) -> tuple[int, int]:
 
 def rope_head_dim(cfg) -> int:
     """Width RoPE rotates per head: the head, MLA's shared RoPE part, none with learned positions."""
-    if cfg.learned_positions:
+    if cfg.learned_positions or cfg.hybrid_pattern is not None:  # Nemotron-H's attention has no RoPE
         return 0
     return cfg.mla.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
 
@@ -148,7 +168,8 @@ def attention_flops_per_token(cfg) -> float:
     (v wide), times 3 for forward and backward. With equal widths d this is PaLM's
     12 * heads * d * seq_len per layer."""
     qk, v = attention_head_dims(cfg)
-    return sum(6 * cfg.num_heads * (qk + v) * attended_keys(cfg, i) for i in range(cfg.num_layers))
+    layers = range(cfg.num_layers) if cfg.hybrid_pattern is None else hybrid.layers_of(cfg, "attention")
+    return sum(6 * cfg.num_heads * (qk + v) * attended_keys(cfg, i) for i in layers)
 
 
 def flops_per_token(cfg) -> float:
@@ -156,5 +177,9 @@ def flops_per_token(cfg) -> float:
 
         6 * active matmul params + attention_flops_per_token
 
-    The first term is 2 FLOPs per multiply-add, times 3 for forward + backward."""
-    return 6 * active_matmul_params(cfg) + attention_flops_per_token(cfg)
+    The first term is 2 FLOPs per multiply-add, times 3 for forward + backward; a hybrid
+    model adds its Mamba-2 scans (hybrid.mamba_scan_flops_per_token)."""
+    scans = 0.0
+    if cfg.hybrid_pattern is not None and cfg.mamba is not None:
+        scans = len(hybrid.layers_of(cfg, "mamba")) * hybrid.mamba_scan_flops_per_token(cfg)
+    return 6 * active_matmul_params(cfg) + attention_flops_per_token(cfg) + scans

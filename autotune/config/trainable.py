@@ -7,7 +7,8 @@ model with exit 2 before anything is launched.
 
 Trained: GQA attention with or without QK-norm, MLA, sliding windows, every MLP kind
 (dense, routed and shared experts), MoE with dense layers between, RMSNorm, RoPE, an
-untied head, under every parallel dimension. Not yet: biases, LayerNorm, learned
+untied head, under every parallel dimension; hybrid Mamba-2 models (runtime/hybrid.py) under
+every dimension but context parallel (a layout rule refuses cp > 1 there). Not yet: biases, LayerNorm, learned
 positions, tied embeddings, MLA values wider than its queries (the runtime pads values
 to the query width: runtime/mla.py).
 """

@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 
 from autotune.config import ModelConfig, model_size, per_model_object
 from autotune.errors import UsageError
+from autotune.estimate import mamba
 from autotune.plan.layout import Layout
 from autotune.plan.schedules import SCHEDULES
 from autotune.plan.stage_split import rank_stage_ids, stage_count, stage_layers
@@ -379,6 +380,43 @@ def layer_bytes(model: ModelConfig, moe: bool, c: int, expert_parallel: bool, tp
     return fig.saved[key]
 
 
+def hybrid_layer_bytes(model: ModelConfig, kind: str, c: int, expert_parallel: bool, tp: int, sp: bool,
+                       mode: str) -> float:
+    """layer_bytes of one block of a hybrid model (estimate/mamba.py gives its items): its norm
+    and its mixer, or under op recompute its input and the matmul outputs it keeps."""
+    fig = model_figures(model)
+    key = ("hybrid", kind, c, expert_parallel, tp, sp, mode)
+    if key not in fig.saved:
+        if mode == "op":
+            items = [Saved("block input", model.hidden_size, c, "sp")] + mlp_saved_tensors(model, True, c,
+                                                                                          expert_parallel) \
+                if kind == "moe" else [Saved(*item) for item in mamba.op_kept_items(model, kind, c)]
+            fig.saved[key] = SavedTotals.of(items).per_token(tp, sp)
+        else:
+            mixer = [Saved(*item) for item in mamba.mamba_saved_items(model, c)] if kind == "mamba" else \
+                attention_saved_tensors(model, c) if kind == "attention" else \
+                mlp_saved_tensors(model, kind == "moe", c, expert_parallel)
+            totals = SavedTotals.of(norm_saved_tensors(model, c, kind) + mixer)
+            fig.saved[key] = saved_bytes_per_token(totals, tp, sp, mode, model.hidden_size * c)
+    return fig.saved[key]
+
+
+def hybrid_backward_moment(model: ModelConfig, layout: Layout, c: int, shape: "RankShape", tokens: float,
+                           recomputes: bool) -> tuple[float, float]:
+    """(activations a recomputed block rebuilds, its backward's own bytes) at a hybrid rank's
+    heaviest block backward: its last block (every activation still held) unless blocks are
+    recomputed, where each is rebuilt and run back in turn, so the heaviest kind counts."""
+    if not recomputes:
+        return 0.0, mamba.block_backward_bytes(model, mamba.last_kind(model, layout, shape.rank), layout, c, tokens)
+    ep, tp, sp = layout.ep > 1, layout.tp, bool(layout.sp)
+    moments = []
+    for kind in mamba.rank_kinds(model, layout, shape.rank):
+        rebuilt = tokens * (hybrid_layer_bytes(model, kind, c, ep, tp, sp, "none")
+                            - hybrid_layer_bytes(model, kind, c, ep, tp, sp, layout.recompute))
+        moments.append((rebuilt, mamba.block_backward_bytes(model, kind, layout, c, tokens)))
+    return max(moments, key=sum)
+
+
 def stage_chunks(layout: Layout) -> int:
     """Pipeline stages (chunks of layers) each rank holds."""
     return layout.vpp if layout.pp > 1 else 1
@@ -477,12 +515,14 @@ def _rank_shape(model: ModelConfig, layout: Layout, rank: int) -> RankShape:
     root = (embedding + model.learned_positions * h if first else 0.0) + \
         (model_size.norm_params(model, h) + head if last else 0.0)
     dense_layers = layers - moe_layers
+    blocks, experts = dense_layers * dense_block + moe_layers * moe_block, moe_layers * moe_experts
+    largest = max(dense_block if dense_layers else 0.0, moe_block + moe_experts if moe_layers else 0.0)
+    if model.hybrid_pattern is not None:  # single-mixer blocks (estimate/mamba.py)
+        blocks, experts, largest = mamba.rank_params(model, layout, rank)
     return RankShape(
         rank=rank, layers=layers, moe_layers=moe_layers, first=first, last=last,
-        dense_params=dense_layers * dense_block + moe_layers * moe_block + root,
-        expert_params=moe_layers * moe_experts, root_params=root,
-        head_params=h + embedding if last else 0.0,
-        largest_block=max(dense_block if dense_layers else 0.0, moe_block + moe_experts if moe_layers else 0.0),
+        dense_params=blocks + root, expert_params=experts, root_params=root,
+        head_params=h + embedding if last else 0.0, largest_block=largest,
         receiving=sum(s > 0 for s in stages), sending=sum(s < last_stage for s in stages),
         sending_across=sum(s < last_stage and s + 1 not in stages for s in stages),
         receiving_across=sum(s > 0 and s - 1 not in stages for s in stages),
@@ -804,6 +844,9 @@ def _microbatch_bytes(model: ModelConfig, layout: Layout, prec: Precision, shape
     expert_parallel = layout.ep > 1
 
     def per_token(mode: str) -> float:  # all of the rank's layers, one micro-batch, under `mode`
+        if model.hybrid_pattern is not None:
+            return sum(count * hybrid_layer_bytes(model, kind, c, expert_parallel, tp, sp, mode)
+                       for kind, count in mamba.rank_kinds(model, layout, shape.rank).items())
         dense = shape.layers - shape.moe_layers
         total = dense * layer_bytes(model, False, c, False, tp, sp, mode) if dense else 0.0
         if shape.moe_layers:
@@ -864,8 +907,11 @@ def _microbatch_bytes(model: ModelConfig, layout: Layout, prec: Precision, shape
     lse = 4 * tokens
     final_norm = tokens * SavedTotals.of(norm_saved_tensors(model, c, "final")).per_token(tp, sp) if shape.last \
         else 0.0
-    swiglu = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad)
-    return MicrobatchBytes(per_chunk, recomputed, swiglu, incoming + weight_grad + 2 * ffn_grad, logits, loss_backward,
+    swiglu, swiglu_kept = incoming + max(weight_grad + ffn_grad, 2 * ffn_grad), incoming + weight_grad + 2 * ffn_grad
+    if model.hybrid_pattern is not None:  # the backward of a hybrid rank's heaviest block (estimate/mamba.py)
+        recomputed, swiglu = hybrid_backward_moment(model, layout, c, shape, tokens, recomputed_layers > 0)
+        swiglu_kept = swiglu
+    return MicrobatchBytes(per_chunk, recomputed, swiglu, swiglu_kept, logits, loss_backward,
                            lse, final_norm)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from autotune.config import HardwareConfig, ModelConfig, model_size
+from autotune.estimate import mamba
 from autotune.estimate.memory import (
     RankShape,
     attention_widths,
@@ -151,6 +152,9 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
     attention core, MoE experts and router, and the head stay at `flops_per_s` (the
     runtime converts only those linears: runtime/precision.py).
 
+    A hybrid model's blocks each have one mixer (estimate/mamba.py): one TP half a block, the
+    Mamba scan's FLOPs beside the attention core's, the scan run again in its backward.
+
     Per layer: TP (+SP) two all-reduces, or two all-gathers and two reduce-scatters,
     each way (and the forward's again under full recompute); EP, per MoE layer, an
     all-to-all of the expert counts, then a dispatch and a combine all-to-all of tokens*k
@@ -217,19 +221,37 @@ def microbatch_works(model: ModelConfig, layout: Layout, links: Links, flops_per
         a2a = links.all_to_all(tokens * model.moe.top_k * h * c, groups["ep"])
         counts = links.all_to_all(8 * model.moe.num_experts, groups["ep"])
 
+    def hybrid_block(kind: str, mode: str) -> tuple[float, float, float]:
+        """A hybrid model's block (estimate/mamba.py): its matmuls (an MoE block whole under TP)
+        and its core; the scan's backward runs its chunks again (runtime/mamba.py's SSDScan)."""
+        split = 1 if kind == "moe" else tp
+        matmul = 2 * tokens * mamba.block_matmul_params(model, kind) / split / (flops_per_s if kind == "moe"
+                                                                               else linear_rate)
+        own = tokens * mamba.block_core_flops(model, kind) / 3 / tp / flops_per_s
+        rerun = own if kind == "mamba" else 0.0
+        recompute = {"none": 0.0, "selective": own if kind == "attention" else 0.0, "op": matmul / 2,
+                     "full": matmul + own}[mode]
+        return matmul + own, matmul + 2 * own + rerun + recompute, matmul
+
     works = []
     for shape in shapes:
         work, layers = MicrobatchWork(), shape.layers
         rebuilt = full_recompute_layers(layout, shape) / layers if layout.recompute == "full" and layers else 1.0
-        work.add(dense_layer, rebuilt * (layers - shape.moe_layers))
-        work.add(moe_layer, rebuilt * shape.moe_layers)
-        work.add(dense_kept, (1 - rebuilt) * (layers - shape.moe_layers))
-        work.add(moe_kept, (1 - rebuilt) * shape.moe_layers)
+        if model.hybrid_pattern is None:
+            work.add(dense_layer, rebuilt * (layers - shape.moe_layers))
+            work.add(moe_layer, rebuilt * shape.moe_layers)
+            work.add(dense_kept, (1 - rebuilt) * (layers - shape.moe_layers))
+            work.add(moe_kept, (1 - rebuilt) * shape.moe_layers)
+        else:
+            for kind, count in mamba.rank_kinds(model, layout, shape.rank).items():
+                work.add(hybrid_block(kind, layout.recompute), rebuilt * count)
+                work.add(hybrid_block(kind, kept_mode), (1 - rebuilt) * count)
         if shape.last:
             work.add((head, head, head))
         if tp > 1:
-            work.add_comm("tp", layers * tp_pass + tp_edge * shape.first,
-                          layers * tp_pass * (2 if layout.recompute == "full" else 1) + tp_edge * shape.last)
+            passes = layers / 2 if model.hybrid_pattern is not None else layers  # a hybrid block has one half
+            work.add_comm("tp", passes * tp_pass + tp_edge * shape.first,
+                          passes * tp_pass * (2 if layout.recompute == "full" else 1) + tp_edge * shape.last)
         if cp > 1:
             work.add_comm("cp", layers * cp_forward, layers * cp_backward, total=layers * cp_volume)
         if a2a and shape.moe_layers:

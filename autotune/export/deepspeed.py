@@ -21,6 +21,8 @@ def deepspeed(t: Target) -> Export:
     why_not = [reason for cond, reason in (
         (L.pp > 1, "pipeline parallel is DeepSpeed's PipelineModule, set up in code"),
         (L.cp > 1, "DeepSpeed has no ring-attention context parallel (Ulysses splits heads instead)"),
+        (m.hybrid_pattern is not None, "DeepSpeed has no hybrid Mamba-2 / Transformer model: the model is your own "
+                                       "code there, and its tensor parallel (AutoTP) cannot cut Mamba-2 blocks"),
     ) if cond]
     if why_not:
         return Export("DeepSpeed", "deepspeed.json", None, reason="; ".join(why_not))

@@ -24,6 +24,7 @@ import shlex
 
 from autotune.config import GIB
 from autotune.export import Export, Mapping, Target, comment_block, flag_lines
+from autotune.export.megatron_hybrid import hybrid_flags
 from autotune.export.megatron_pipeline import pipeline_flags
 
 # Megatron-core's vocab_parallel_cross_entropy at its peak, bytes a logit, the logits included
@@ -58,6 +59,8 @@ def megatron(t: Target) -> Export:
         args.extend(flags)
         maps.append(Mapping(ours, status, " ".join(flags), note))
 
+    if m.hybrid_pattern is not None and (why_not := hybrid_flags(t, add)):
+        return Export("Megatron-LM", "megatron_args.sh", None, maps, reason=why_not)
     add(f"tp={L.tp}", "exact", ["--tensor-model-parallel-size", str(L.tp)])
     if L.tp > 1:
         add(f"sp={L.sp}", "exact", ["--sequence-parallel"] if L.sp else [],

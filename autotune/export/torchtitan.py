@@ -56,6 +56,9 @@ def config_for(t: Target) -> tuple[str, str, Mapping]:
 
 def torchtitan(t: Target) -> Export:
     L, m, maps = t.layout, t.model, []
+    if m.hybrid_pattern is not None:
+        return Export("torchtitan", "torchtitan.sh", None,
+                      reason="torchtitan 0.3.0 has no hybrid Mamba-2 / Transformer model")
     module, config, model_map = config_for(t)
     args = ["--module", module, "--config", config]
     maps.append(model_map)

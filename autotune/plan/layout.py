@@ -257,6 +257,23 @@ def _tp_splits_evenly(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int |
 
 
 @rule("tp")
+def _tp_splits_mamba(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
+    """Tensor parallel of Mamba-2 blocks: heads and B/C groups split evenly (as Megatron's)."""
+    if m.mamba is not None:
+        for name in ("num_heads", "n_groups"):
+            if getattr(m.mamba, name) % L.tp:
+                return f"layout.tp: mamba.{name} ({getattr(m.mamba, name)}) must divide by tp ({L.tp})"
+    return None
+
+
+@rule("cp")
+def _cp_not_with_mamba(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
+    if L.cp > 1 and m.mamba is not None:
+        return "layout.cp: context parallel is not built for Mamba-2 blocks (use cp=1)"
+    return None
+
+
+@rule("tp")
 def _tp_inside_a_node(L: Layout, m: ModelConfig, gpus: int, gpus_per_node: int | None) -> str | None:
     """One node means one scale-up domain (gpus_per_node: the GPUs that share NVLink; 72 on an NVL72 rack)."""
     if gpus_per_node and (L.tp > gpus_per_node or gpus_per_node % L.tp):

@@ -33,13 +33,13 @@ def name_seed(seed: int, name: str) -> int:
 def init_std(name: str, hidden_size: int, num_layers: int) -> float | None:
     """Standard deviation of a parameter's normal init; None for norm weights (ones).
 
-    0.02 everywhere (GPT-2), the residual output projections (attention's wo, the MLP's,
+    0.02 everywhere (GPT-2), the residual output projections (attention's wo, Mamba's out_proj, the MLP's,
     the shared experts' and the routed experts' down) scaled by 1/sqrt(2*layers) so the
     residual stream does not grow with depth, the output head by 1/sqrt(hidden).
     """
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("attention.wo.weight", ".down.weight", ".experts.down")):
+    if name.endswith(("attention.wo.weight", ".down.weight", ".experts.down", "mamba.out_proj.weight")):
         return 0.02 / math.sqrt(2 * num_layers)
     if name == "output.weight":
         return hidden_size ** -0.5

@@ -1,6 +1,7 @@
 """A plain Llama-style decoder: RMSNorm, RoPE, GQA attention (optionally QK-normed) or
 multi-head latent attention (runtime/mla.py), full causal or over a sliding window, an
-MLP of the model's kind (SwiGLU, GeGLU, GELU, squared ReLU) or MoE.
+MLP of the model's kind (SwiGLU, GeGLU, GELU, squared ReLU) or MoE; or, with a
+`hybrid_pattern`, single-mixer blocks with Mamba-2 among them (runtime/hybrid.py).
 
 What it does not build (biases, LayerNorm, learned positions, tied embeddings)
 autotune/config/trainable.py refuses before a trial starts.
@@ -42,21 +43,23 @@ class Attention(nn.Module):
         # QK-norm (Qwen3, OLMo 2, Gemma 3): RMSNorm of every query and key head before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.rope_theta = cfg.rope_theta
+        # A hybrid model's attention has no position encoding (Nemotron-H): its Mamba blocks order the tokens.
+        self.rope_theta = cfg.rope_theta if cfg.hybrid_pattern is None else None
         # Positions of this rank's tokens; None means 0..seq-1. Context parallel sets them.
         self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x is the whole (local) sequence here: sequence parallel gathers it before wq/wk/wv.
         batch, seq, _ = x.shape
-        positions = self.positions if self.positions is not None else torch.arange(seq, device=x.device)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope_theta is not None:
+            positions = self.positions if self.positions is not None else torch.arange(seq, device=x.device)
+            cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.core(q, k, v).reshape(batch, seq, -1))
 
 
@@ -84,7 +87,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        if cfg.hybrid_pattern is None:
+            self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        else:
+            from autotune.runtime.hybrid import HybridBlock  # it builds this module's Attention
+
+            self.layers = nn.ModuleDict({str(i): HybridBlock(cfg, i, Attention) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

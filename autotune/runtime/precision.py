@@ -64,15 +64,17 @@ def emulated(device: torch.device) -> bool:
 
 def converted_linears(model: nn.Module) -> list[nn.Module]:
     """The modules whose linears train in 8 bits: each block's attention, and its MLP where
-    it is dense (MoE blocks stay bf16)."""
+    it is dense (MoE blocks stay bf16; a hybrid model's Mamba blocks, which hold neither,
+    stay bf16 too)."""
     from autotune.runtime.mlp import FeedForward
 
     out = []
     for block in model.layers.values():
         if block is None:
             continue
-        out.append(block.attention)
-        if isinstance(block.mlp, FeedForward):
+        if getattr(block, "attention", None) is not None:
+            out.append(block.attention)
+        if isinstance(getattr(block, "mlp", None), FeedForward):
             out.append(block.mlp)
     return out
 

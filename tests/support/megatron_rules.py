@@ -29,7 +29,12 @@ FLAGS = {
     "--micro-batch-size": True, "--global-batch-size": True, "--seq-length": True,
     "--recompute-granularity": True, "--recompute-method": True, "--recompute-num-layers": True,
     "--recompute-modules": True, "--bf16": False, "--fp16": False, "--grad-reduce-in-bf16": False,
+    "--hybrid-layer-pattern": True, "--hybrid-override-pattern": True, "--mamba-state-dim": True,
+    "--mamba-head-dim": True, "--mamba-num-groups": True, "--mamba-num-heads": True,
 }
+# megatron/core/models/hybrid/hybrid_layer_allocation.py's layer symbols: Mamba, attention, MLP,
+# MoE, gated DeltaNet, DeepSeek sparse attention.
+HYBRID_SYMBOLS = set("M*-EGD")
 CHOICES = {"--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
            "--data-parallel-sharding-strategy": {"no_shard", "optim", "optim_grads", "optim_grads_params"},
            "--ckpt-format": {"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"},
@@ -113,8 +118,29 @@ def check(argv: list[str], env: dict, world: int, num_layers: int, grad_accum_ex
     check_data_parallel(a, env, tp, cp, dp, gpu_arch)
     check_experts(a, world, tp, pp, cp, dp)
     check_recompute(a, tp, pp, num_layers)
+    check_hybrid(a, tp, num_layers)
     assert not (a.on("--bf16") and a.on("--fp16")), "--bf16 and --fp16 together"
     return a
+
+
+def check_hybrid(a: Args, tp: int, num_layers: int) -> None:
+    """The hybrid model's pattern (TransformerConfig's derivation of num_layers from it) and the
+    Mamba mixer's tensor-parallel asserts (megatron/core/ssm/mamba_mixer.py)."""
+    new, old = a.get("--hybrid-layer-pattern"), a.get("--hybrid-override-pattern")
+    assert not (new and old), "hybrid_override_pattern and hybrid_layer_pattern cannot both be specified"
+    pattern = new or old
+    if pattern is None:
+        assert not any(a.get(f) for f in ("--mamba-num-heads", "--mamba-num-groups")), \
+            "Mamba sizes without a hybrid layer pattern"
+        return
+    assert set(pattern) <= HYBRID_SYMBOLS, f"unknown symbols in the hybrid pattern {pattern!r}"
+    assert len(pattern) == num_layers, \
+        f"num_layers ({num_layers}) does not match the number of layers derived from the pattern ({len(pattern)})"
+    heads, groups = a.int("--mamba-num-heads"), a.int("--mamba-num-groups", 8)
+    if "M" in pattern:
+        assert heads is not None, "--mamba-num-heads: the inner width must be given as heads"
+        assert heads % tp == 0, "nheads must be evenly divisible by tp"
+        assert groups % tp == 0, "ngroups must be evenly divisible by tp"
 
 
 def check_pipeline(a: Args, pp: int, num_layers: int) -> int | None:

@@ -106,7 +106,8 @@ def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> None:
     options = {"preserve_rng_state": False}  # the model has no dropout: nothing random to replay
     if mode == "selective":
         for block in model.layers.values():
-            block.attention.core = checkpoint_wrapper(block.attention.core, **options)
+            if block.attention is not None:  # a hybrid model's Mamba and MLP blocks have none
+                block.attention.core = checkpoint_wrapper(block.attention.core, **options)
         return
     if mode == "op":
         options["context_fn"] = alternate_matmuls
@@ -114,7 +115,8 @@ def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> None:
     for name in names:
         block = model.layers[name]
         if mode == "op" and isinstance(block.mlp, MoE):
-            for part in ("attention_norm", "attention", "mlp_norm"):
+            # A hybrid MoE block (runtime/hybrid.py) has one norm before its MoE and no attention.
+            for part in ("norm",) if hasattr(block, "mixer_name") else ("attention_norm", "attention", "mlp_norm"):
                 setattr(block, part, checkpoint_wrapper(getattr(block, part), **options))
             block.mlp.experts = checkpoint_wrapper(block.mlp.experts, **{**options, "context_fn": keep_all})
             if block.mlp.shared is not None:

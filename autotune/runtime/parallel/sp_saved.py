@@ -122,5 +122,6 @@ def save_sequence_shards(model: nn.Module, tp_mesh: DeviceMesh, recompute: str, 
         names = names[recompute_layers:]
     for name in names:
         block = model.layers[name]
-        ShardSavingHalf(block.attention, tp_mesh)
-        ShardSavingHalf(block.mlp, tp_mesh)
+        for half in (block.attention, block.mlp, getattr(block, "mamba", None)):  # a hybrid block has one
+            if half is not None:
+                ShardSavingHalf(half, tp_mesh)

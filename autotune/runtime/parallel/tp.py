@@ -31,6 +31,8 @@ experts instead. Under sequence parallel the block's input is all-gathered like 
 MLP's and each rank keeps its own sequence shard of the (replicated) output, whose
 backward all-gathers the gradient.
 
+A hybrid model's single-mixer blocks, Mamba-2 among them, are cut by tp_hybrid.py.
+
 Sequence parallel (sp=1): outside attention and MLP (norms, residual adds) the
 activations are cut along the sequence instead of replicated, so norms run on seq/tp
 tokens and the residual stream takes 1/tp of the memory. The row-parallel outputs
@@ -53,8 +55,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from autotune.runtime.hybrid import HybridBlock
 from autotune.runtime.mla import MLAttention
 from autotune.runtime.mlp import FeedForward
+from autotune.runtime.parallel.tp_hybrid import parallelize_hybrid_block
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -77,6 +81,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     parallelize_module(model, tp_mesh, top_plan)
 
     for block in model.layers.values():
+        if isinstance(block, HybridBlock):  # one mixer a block: tp_hybrid.py
+            parallelize_hybrid_block(block, tp_mesh, stream, sequence_parallel)
+            continue
         attention = block.attention
         if isinstance(attention, MLAttention):
             plan = {f"attention.{name}": ColwiseParallel()
