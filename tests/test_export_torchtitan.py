@@ -36,6 +36,7 @@ def test_torchtitan_accepts_every_export():
         assert got["dims"] == [replicate, shard, L.cp, L.tp, L.pp, L.ep], L
         assert got["accumulation"] * got["microbatches"] == t.grad_accum
         assert got["compile"] == [True, ["loss"]]  # the loss holds what ours holds; the blocks run eager
+        assert got["async_tp"] is False  # as ours: TP's collectives not overlapped with its matmuls
         assert got["ac"].split(".")[0] == {"none": "NoneType", "full": "FullAC"}.get(L.recompute, "SelectiveAC")
         if L.pp > 1:
             assert [sum(n.startswith("layers.") for n in part) for part in got["parts"]] == [

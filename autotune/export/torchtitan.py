@@ -28,6 +28,8 @@ CONFIGS = {
     "llama3-405b": ("llama3", "llama3_405b"),
     "qwen3-30b-a3b": ("qwen3", "qwen3_30b_a3b"),
 }
+# Configs whose model_spec converts the Linears to float8 (model_spec is not a command-line field).
+FLOAT8_CONFIGS = {"llama3-405b"}
 # Where a model has none: the nearest to start from (a small one for our tiny presets).
 START_FROM = {"tiny": ("llama3", "llama3_debugmodel"), "tiny-moe": ("qwen3", "qwen3_moe_debug")}
 DENSE_START, MOE_START = ("llama3", "llama3_8b"), ("qwen3", "qwen3_30b_a3b")
@@ -44,6 +46,12 @@ def config_for(t: Target) -> tuple[str, str, Mapping]:
     name = t.model.name
     if name in CONFIGS:
         module, config = CONFIGS[name]
+        if name in FLOAT8_CONFIGS:
+            return module, config, Mapping(
+                f"model {name}", "approximate", f"--module {module} --config {config}",
+                f"torchtitan's own config of this model, which also converts its Linears (but lm_head) to "
+                f"float8 (not settable on the command line): for {t.model.dtype} as measured, copy it into a "
+                "config function of your own without that converter")
         return module, config, Mapping(f"model {name}", "exact", f"--module {module} --config {config}",
                                        "torchtitan's own config of this model")
     module, config = START_FROM.get(name, MOE_START if t.model.moe else DENSE_START)
@@ -112,6 +120,9 @@ def torchtitan(t: Target) -> Export:
         maps.append(Mapping(f"dtype={m.dtype}", "none", "", "torchtitan selects it by its model converters"))
     add("loss (chunked: the logits' gradient beside them)", "exact",
         ["--compile.enable", "--compile.components", "loss"], _loss_note(t))
+    add("TP collectives not overlapped with matmuls", "exact", {"compile.enable_async_tensor_parallel": False},
+        "as ours; torchtitan's async TP needs the blocks compiled, and a config that turns it on (llama3_405b) "
+        "is refused by torchtitan's parser with only the loss compiled")
     mode = AC_MODES[L.recompute]
     exact = L.recompute in ("none", "op") or (L.recompute == "full" and not L.recompute_layers)
     note = {"selective": "torchtitan's selective checkpointing is per-op (it keeps every other matmul output), "

@@ -12,6 +12,7 @@ whole table runs in numpy. The figures are the same as the per-event reading's
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,6 +68,8 @@ class EventTable:
     thread: np.ndarray  # int64
     start: np.ndarray  # int64 ns
     end: np.ndarray  # int64 ns
+    # CPU profiles recorded with shapes: bytes of each gloo event's input tensors (0 for other events)
+    nbytes: np.ndarray | None = None
 
     @classmethod
     def from_events(cls, events) -> "EventTable":
@@ -181,10 +184,26 @@ def read_cpu_profile(result) -> tuple[EventTable, list]:
         keep = np.flatnonzero(read[codes]) if len(codes) else np.zeros(0, dtype=np.int64)
         times = np.array([(node.start_time_ns, node.end_time_ns, node.start_tid)
                           for node in map(operators.__getitem__, keep.tolist())], dtype=np.int64).reshape(-1, 3)
+        gloo = np.array([name.startswith(GLOO_PREFIX) for name in names.values], dtype=bool)
+        nbytes = np.zeros(len(keep), dtype=np.int64)
+        for row in np.flatnonzero(gloo[codes[keep]]).tolist():
+            nbytes[row] = input_bytes(operators[keep[row]])
         table = EventTable(names=names.values, code=codes[keep], kind_names=["cpu"],
                            kind=np.zeros(len(keep), dtype=np.int64), cuda=np.zeros(len(keep), dtype=bool),
-                           thread=times[:, 2], start=times[:, 0], end=times[:, 1])
+                           thread=times[:, 2], start=times[:, 0], end=times[:, 1], nbytes=nbytes)
     return table, allocations
+
+
+def input_bytes(node) -> int:
+    """Bytes of an operator's input tensors, from the shapes and dtypes the profiler
+    recorded (record_shapes; none recorded: 0). For a gloo event: the buffer it sends, or
+    for a receive the buffer it fills."""
+    total = 0
+    for tensor in getattr(node.extra_fields, "inputs", ()):
+        sizes, dtype = getattr(tensor, "sizes", None), getattr(tensor, "dtype", None)
+        if sizes is not None and dtype is not None:
+            total += math.prod(sizes) * dtype.itemsize
+    return total
 
 
 class paused_gc:

@@ -146,6 +146,9 @@ class RankFigures:
     # The CPU allocator caches nothing, so there it is None.
     reserved_mem_bytes: int | None = None
     trace_file: str | None = None
+    # CPU: bytes handed to gloo per measured step, by collective (gloo:all_gather, gloo:send, ...):
+    # the input buffers of the gloo events that start inside the steps. None on a GPU.
+    comm_bytes_per_step: dict[str, int] | None = None
 
     @property
     def measured_s(self) -> float:
@@ -173,7 +176,23 @@ def analyze(events: EventTable | list[Event], step_peak_mem_bytes: list[int], re
                        comm_s=total(comm) / 1e9, exposed_comm_s=total(exposed) / 1e9,
                        peak_mem_bytes=rank_peak(step_peak_mem_bytes), resident_mem_bytes=resident_mem_bytes,
                        step_peak_mem_bytes=list(step_peak_mem_bytes), memory_source=memory_source,
-                       reserved_mem_bytes=reserved_mem_bytes)
+                       reserved_mem_bytes=reserved_mem_bytes, comm_bytes_per_step=comm_bytes(events, steps))
+
+
+def comm_bytes(events: EventTable, steps: list[Interval]) -> dict[str, int] | None:
+    """Bytes per measured step handed to each gloo collective, from the events' recorded
+    input shapes; None where none were recorded (a GPU profile)."""
+    if events.nbytes is None or not steps:
+        return None
+    inside = np.zeros(len(events), dtype=bool)
+    for start, end in steps:
+        inside |= (events.start >= start) & (events.start < end)
+    mask = inside & (events.nbytes > 0)
+    per_kind: dict[str, int] = {}
+    for code, nbytes in zip(events.code[mask].tolist(), events.nbytes[mask].tolist()):
+        name = events.names[code]
+        per_kind[name] = per_kind.get(name, 0) + nbytes
+    return {name: round(value / len(steps)) for name, value in sorted(per_kind.items())}
 
 
 # -- the profiler around a training loop -------------------------------------------------------
@@ -243,8 +262,9 @@ class StepProfiler:
         with warnings.catch_warnings():  # "won't be using warmup": intended when warmup is 0
             warnings.simplefilter("ignore")
             measured = schedule(wait=max(warmup - 1, 0), warmup=min(warmup, 1), active=steps, repeat=1)
+        # On the CPU shapes are recorded too, for the bytes each gloo collective moves.
         self._profiler = profile(activities=activities, schedule=measured, on_trace_ready=self._trace_ready,
-                                 profile_memory=device.type == "cpu")
+                                 profile_memory=device.type == "cpu", record_shapes=device.type == "cpu")
 
     def __enter__(self) -> "StepProfiler":
         self._profiler.__enter__()

@@ -44,7 +44,7 @@ from autotune.trialspec import ERROR_MARKER, RESULT_MARKER, TrialSpec, die_with_
 UNMEASURED_WITHOUT_PROFILER = tuple(f"{name}{suffix}" for name in PROFILED_METRICS
                                     for suffix in ("", "_mean", "_per_rank")) + (
     "resident_mem_bytes_per_rank", "step_peak_mem_bytes_per_rank", "memory_source", "reserved_mem_bytes",
-    "reserved_mem_bytes_per_rank")
+    "reserved_mem_bytes_per_rank", "comm_bytes_per_step_per_rank")
 
 
 def trial_device(spec: TrialSpec) -> torch.device:
@@ -187,6 +187,7 @@ def measurements(cfg: ModelConfig, world_size: int, per_rank: list[dict], flops_
         "step_times_s", "peak_mem_bytes", "resident_mem_bytes", "step_peak_mem_bytes", "reserved_mem_bytes",
         "comm_fraction", "exposed_comm_fraction")})
     figures["peak_tflops_per_rank"] = [r["peak_flops"] / 1e12 for r in per_rank]
+    figures["comm_bytes_per_step_per_rank"] = [r.get("comm_bytes_per_step") for r in per_rank]
     traces = [r["trace_file"] for r in per_rank if r["trace_file"]]
     if traces:
         figures["trace_files"] = traces

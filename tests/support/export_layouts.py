@@ -29,6 +29,7 @@ LAYOUTS = [
     ("qwen3-30b-a3b", 16, "tp=2,sp=1,ep=8,dp=8,zero=1,mbs=1"),
     ("qwen3-30b-a3b", 16, "pp=2,ep=8,dp=8,zero=1,schedule=1f1b,mbs=1"),      # EP under PP
     ("llama3-8b", 16, "pp=2,dp=8,zero=3,schedule=1f1b,mbs=1"),               # FSDP under PP
+    ("llama3-405b", 128, "tp=8,sp=1,pp=16,schedule=interleaved_1f1b,vpp=2,mbs=1"),  # a config with async TP on
 ]
 
 
