@@ -65,7 +65,7 @@ class Estimate:
         return out
 
 
-def _json_safe(value):
+def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
@@ -96,24 +96,29 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
     base_tflops, linear_tflops = precision_tflops(hardware, model.dtype)
     cal = calibration or default_calibration(device, hardware, model.dtype)
     shapes = pipeline_shapes(model, layout)
-    peak, worst_rank, phase, terms = -1.0, 0, "", ()
+    peak, worst_rank, phase = -1.0, 0, ""
+    terms: tuple[float, ...] = ()
     for shape in shapes:
         for rank_phase, bytes_by_term in rank_terms(model, layout, device, shape).items():
             total = sum(bytes_by_term)
             if total > peak:
                 peak, worst_rank, phase, terms = total, shape.rank, rank_phase, bytes_by_term
-    memory = dict(zip(TERMS, terms))
+    memory: dict[str, float] = dict(zip(TERMS, terms))
     if cal.memory_scale != 1.0 or cal.memory_offset_bytes:
         memory = {term: cal.memory_scale * b for term, b in memory.items()}
         memory["overhead"] += cal.memory_offset_bytes
         peak = sum(memory.values())
     fits = memory_budget_bytes is None or peak <= memory_budget_bytes
-    common = dict(layout=layout, peak_mem_bytes=peak, memory=memory, fits=fits, memory_budget_bytes=memory_budget_bytes,
-                  device=device, worst_pp_rank=worst_rank, peak_phase=phase, grad_accum=layout.grad_accum(model))
+
+    def priced(**time: Any) -> Estimate:
+        return Estimate(layout=layout, peak_mem_bytes=peak, memory=memory, fits=fits,
+                        memory_budget_bytes=memory_budget_bytes, device=device, worst_pp_rank=worst_rank,
+                        peak_phase=phase, grad_accum=layout.grad_accum(model), **time)
+
     if not hardware.peak_tflops or not (fits or time_over_budget):
         nan = math.nan
-        return Estimate(step_time_s=nan, tokens_per_s=nan, mfu=nan, comm_fraction=nan, bubble_fraction=nan,
-                        tokens_per_s_per_gpu=nan, compute_s=nan, bubble_s=nan, total_comm_fraction=nan, **common)
+        return priced(step_time_s=nan, tokens_per_s=nan, mfu=nan, comm_fraction=nan, bubble_fraction=nan,
+                      tokens_per_s_per_gpu=nan, compute_s=nan, bubble_s=nan, total_comm_fraction=nan)
     peak_flops = hardware.peak_tflops * 1e12
     links = Links(hardware, cal.bandwidth_efficiency, cal.latency_s)
     efficiency = cal.compute_efficiency * 1e12
@@ -123,12 +128,12 @@ def estimate(model: ModelConfig, layout: Layout, hardware: HardwareConfig, memor
     tokens_per_s = model.global_batch_size * model.seq_len / time.step_s
     # MFU as a trial measures it: model FLOPs per token (no recompute) over the dense bf16 peak.
     mfu = model_figures(model).flops_per_token * tokens_per_s / (layout.world_size * peak_flops)
-    return Estimate(
+    return priced(
         step_time_s=time.step_s, tokens_per_s=tokens_per_s, mfu=mfu,
         comm_fraction=sum(time.exposed_comm_s.values()) / time.step_s, bubble_fraction=time.bubble_s / time.step_s,
         tokens_per_s_per_gpu=tokens_per_s / layout.world_size, compute_s=time.compute_s, bubble_s=time.bubble_s,
         total_comm_fraction=sum(time.comm_s.values()) / time.step_s, comm_s=time.comm_s,
-        exposed_comm_s=time.exposed_comm_s, **common)
+        exposed_comm_s=time.exposed_comm_s)
 
 
 def precision_tflops(hardware: HardwareConfig, dtype: str) -> tuple[float, float]:
